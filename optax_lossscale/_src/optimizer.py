@@ -1,0 +1,309 @@
+"""`loss_scale_optimizer`: an optax transformation that unscales, checks and skips.
+
+The wrapper owns the loss scale. Each update divides the incoming gradients
+(of the *scaled* loss) by the current scale, checks them for NaN/Inf, updates
+the loss scale, and runs the inner transformation only on finite steps. On a
+skipped step the updates are zeros and the inner state is returned untouched,
+so schedules, Adam moments and step counts do not advance.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lossscale._src import loss_scale as loss_scale_lib
+from optax_lossscale._src import tree_utils
+
+SkipMode = Literal["auto", "cond", "select"]
+_SKIP_MODES = ("auto", "cond", "select")
+_DEFAULT_INITIAL_SCALE = 2**15
+_DEFAULT_GROWTH_STEPS = 2000
+
+
+class LossScaleOptimizerState(NamedTuple):
+  """State of `loss_scale_optimizer`.
+
+  Attributes:
+    inner_state: the wrapped transformation's state; bit-identical across a
+      skipped step.
+    loss_scale: the current `LossScale` (a pytree; its leaves are the scale
+      and its counters).
+    last_step_applied: bool scalar, whether the last update was applied
+      (True before the first update).
+    consecutive_skips: int32 scalar, skipped updates since the last applied one.
+    total_skips: int32 scalar, skipped updates since `init`.
+  """
+
+  inner_state: optax.OptState
+  loss_scale: loss_scale_lib.LossScale
+  last_step_applied: jax.Array
+  consecutive_skips: jax.Array
+  total_skips: jax.Array
+
+
+class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
+  """The `GradientTransformationExtraArgs` returned by `loss_scale_optimizer`.
+
+  It is still the `(init, update)` pair that optax, Flax and `optax.chain`
+  expect; the extra read-only attributes mirror Keras's `LossScaleOptimizer`.
+  """
+
+  # Instances carry a __dict__ for the Keras-style attributes below; the tuple
+  # itself stays the two functions optax unpacks.
+
+  @property
+  def inner_optimizer(self) -> optax.GradientTransformationExtraArgs:
+    """The wrapped transformation."""
+    return self.__dict__["_inner"]
+
+  @property
+  def initial_loss_scale(self) -> loss_scale_lib.LossScale:
+    """The `LossScale` that `init` puts in the state."""
+    return self.__dict__["_loss_scale"]
+
+  @property
+  def dynamic(self) -> bool:
+    """Whether the loss scale is dynamic (can change and skip steps)."""
+    return self.initial_loss_scale.dynamic
+
+  @property
+  def initial_scale(self) -> float:
+    """The initial loss scale (the only one when `dynamic` is False)."""
+    return float(self.initial_loss_scale())
+
+  @property
+  def dynamic_growth_steps(self) -> int | None:
+    """Finite steps between growths, or None when the scale is not dynamic."""
+    ls = self.initial_loss_scale
+    return ls.increment_period if isinstance(ls, loss_scale_lib.DynamicLossScale) else None
+
+  @property
+  def skip_mode(self) -> SkipMode:
+    """How skipped steps are implemented: 'cond' or 'select' (resolved)."""
+    return self.__dict__["_skip_mode"]
+
+  @property
+  def axis_name(self) -> Any:
+    """The mapped axis name(s) the finiteness check agrees across, or None."""
+    return self.__dict__["_axis_name"]
+
+  def get_config(self) -> dict[str, Any]:
+    """A JSON-serializable dict of the wrapper's settings (not the inner's).
+
+    Equivalent ways of building the wrapper give equal configs.
+    """
+    axis_name = self.axis_name
+    return {
+      "loss_scale": loss_scale_lib.serialize(self.initial_loss_scale),
+      "dynamic": self.dynamic,
+      "initial_scale": self.initial_scale,
+      "dynamic_growth_steps": self.dynamic_growth_steps,
+      "skip_mode": self.skip_mode,
+      "axis_name": list(axis_name) if isinstance(axis_name, tuple) else axis_name,
+    }
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    raise AttributeError(f"LossScaleOptimizer is immutable; cannot set {name!r}.")
+
+
+def _resolve_loss_scale(
+  loss_scale: Any,
+  dynamic: bool | None,
+  initial_scale: float | None,
+  dynamic_growth_steps: int | None,
+) -> loss_scale_lib.LossScale:
+  """Turns either of Keras's argument forms into a `LossScale`."""
+  keyword_form = (dynamic, initial_scale, dynamic_growth_steps) != (None, None, None)
+  if not keyword_form:
+    return loss_scale_lib.get(loss_scale)
+  if not (isinstance(loss_scale, str) and loss_scale == "dynamic"):
+    raise ValueError(
+      "Pass either loss_scale= or the keyword form (dynamic=, initial_scale=,"
+      f" dynamic_growth_steps=), not both; got loss_scale={loss_scale!r}."
+    )
+  if dynamic is None:
+    dynamic = True
+  if not isinstance(dynamic, bool):
+    raise TypeError(f"dynamic must be a bool; got {dynamic!r}.")
+  if dynamic:
+    return loss_scale_lib.DynamicLossScale(
+      initial_loss_scale=_DEFAULT_INITIAL_SCALE if initial_scale is None else initial_scale,
+      increment_period=(
+        _DEFAULT_GROWTH_STEPS if dynamic_growth_steps is None else dynamic_growth_steps
+      ),
+    )
+  if initial_scale is None:
+    raise ValueError('"initial_scale" must be specified if "dynamic" is False.')
+  if dynamic_growth_steps is not None:
+    raise ValueError(
+      f'"dynamic_growth_steps" must be None if "dynamic" is False; got {dynamic_growth_steps!r}.'
+    )
+  return loss_scale_lib.FixedLossScale(initial_scale)
+
+
+def _zeros_and_passthrough(shapes: tuple[Any, Any], old_state: Any) -> tuple[Any, Any]:
+  """Skip-branch outputs typed exactly like the apply branch's.
+
+  The updates become zeros; the old inner state is returned as is, cast only
+  where the inner transformation itself would change a leaf's dtype (e.g.
+  bf16 moments fed f32 gradients), so both branches of `lax.cond` agree.
+  """
+  update_shapes, state_shapes = shapes
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+  state_def = jax.tree.structure(state_shapes)
+  if jax.tree.structure(old_state) != state_def:
+    raise ValueError(
+      "The inner transformation changed the structure of its state between"
+      " init and update, so a skipped step cannot return the old state:"
+      f" {jax.tree.structure(old_state)} vs {state_def}."
+    )
+
+  def cast(old: Any, shape: jax.ShapeDtypeStruct) -> Any:
+    old = jnp.asarray(old)
+    if old.shape != shape.shape:
+      raise ValueError(
+        f"The inner transformation changes a state leaf's shape from {old.shape}"
+        f" to {shape.shape}; it cannot be skipped."
+      )
+    return old if old.dtype == shape.dtype else old.astype(shape.dtype)
+
+  return zeros, jax.tree.map(cast, old_state, state_shapes)
+
+
+def loss_scale_optimizer(
+  inner: optax.GradientTransformation,
+  loss_scale: Any = "dynamic",
+  *,
+  dynamic: bool | None = None,
+  initial_scale: float | None = None,
+  dynamic_growth_steps: int | None = None,
+  skip_mode: SkipMode = "auto",
+  axis_name: tree_utils.AxisName = None,
+) -> LossScaleOptimizer:
+  """Wraps an optax transformation with loss scaling and overflow skipping.
+
+  Feed it the gradients of the **scaled** loss (`get_scaled_loss`). Each
+  update divides them by the current scale, checks them for NaN/Inf, updates
+  the loss scale and, on a finite step, returns exactly what `inner` returns
+  for the unscaled gradients. On a non-finite step (dynamic scales only) the
+  updates are zeros of the dtypes `inner` would return and `inner`'s state is
+  left bit-identical: its step count, schedules and moments do not advance.
+
+  Args:
+    inner: the transformation to wrap, e.g. `optax.adam(1e-3)` or a chain.
+    loss_scale: `'dynamic'`, a number (a fixed scale) or a `LossScale`.
+    dynamic: Keras's keyword form; True for a dynamic scale (default), False
+      for a fixed one (then `initial_scale` is required).
+    initial_scale: the initial (or fixed) scale in the keyword form; 2**15
+      by default when dynamic.
+    dynamic_growth_steps: finite steps between growths in the keyword form;
+      2000 by default, must be None when `dynamic=False`.
+    skip_mode: `'cond'` runs `inner` inside `lax.cond` so a skipped step costs
+      nothing; `'select'` always runs `inner` and selects the result;
+      `'auto'` picks per backend (currently `'cond'` everywhere).
+    axis_name: inside `shard_map`/`pmap`, the axis name or tuple of names
+      across which shards must agree to skip; not needed under plain `jit`.
+
+  Returns:
+    A `LossScaleOptimizer`, an `optax.GradientTransformationExtraArgs`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.loss_scale_optimizer(optax.sgd(0.1), initial_scale=2.0**10)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> loss = lambda p: jnp.sum(p['w'] ** 2)
+    >>> grads = jax.grad(lambda p: ols.get_scaled_loss(loss(p), state))(params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> updates['w']
+    Array([-0.2, -0.2], dtype=float32)
+
+  References:
+    Keras `tf.keras.mixed_precision.LossScaleOptimizer`;
+    Micikevicius et al., 2018, https://arxiv.org/abs/1710.03740
+  """
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+      "inner must be an optax.GradientTransformation (e.g. optax.adam(1e-3));"
+      f" got {type(inner).__name__}."
+    )
+  if skip_mode not in _SKIP_MODES:
+    raise ValueError(f"skip_mode must be one of {_SKIP_MODES}; got {skip_mode!r}.")
+  axis_name = tree_utils.normalize_axis_name(axis_name)
+  initial_ls = _resolve_loss_scale(loss_scale, dynamic, initial_scale, dynamic_growth_steps)
+  user_inner, inner = inner, optax.with_extra_args_support(inner)
+  # 'auto' is 'cond' on every backend; see BENCHMARKS.md for the measurements.
+  resolved_mode = "cond" if skip_mode == "auto" else skip_mode
+
+  def init_fn(params: optax.Params) -> LossScaleOptimizerState:
+    return LossScaleOptimizerState(
+      inner_state=inner.init(params),
+      # Fresh buffers: a donated state must not delete the prototype's arrays.
+      loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), initial_ls),
+      last_step_applied=jnp.asarray(True),
+      consecutive_skips=jnp.zeros((), jnp.int32),
+      total_skips=jnp.zeros((), jnp.int32),
+    )
+
+  def update_fn(
+    grads: optax.Updates,
+    state: LossScaleOptimizerState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, LossScaleOptimizerState]:
+    ls = state.loss_scale
+
+    def apply_inner(
+      scaled_grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
+    ) -> tuple[optax.Updates, optax.OptState]:
+      # Unscaling here, next to its consumers, lets XLA fuse the division into
+      # the inner update instead of materialising the unscaled gradients.
+      return inner.update(ls.unscale(scaled_grads), inner_state, params, **extra_args)
+
+    if not ls.dynamic:
+      # A fixed scale never skips (TensorFlow semantics): no check, no branch.
+      updates, inner_state = apply_inner(grads, state.inner_state, params)
+      return updates, state._replace(inner_state=inner_state)
+
+    new_ls, should_apply = ls.update(ls.unscale(grads), axis_name=axis_name)
+    operands = (grads, state.inner_state, params)
+    if resolved_mode == "cond":
+
+      def skip_inner(
+        scaled_grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
+      ) -> tuple[optax.Updates, optax.OptState]:
+        shapes = jax.eval_shape(apply_inner, scaled_grads, inner_state, params)
+        return _zeros_and_passthrough(shapes, inner_state)
+
+      # The pass-through is the false branch: XLA then aliases the state
+      # buffers instead of copying them.
+      updates, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
+    else:
+      new_updates, new_inner_state = apply_inner(*operands)
+      shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (new_updates, new_inner_state)
+      )
+      zeros, old_inner_state = _zeros_and_passthrough(shapes, state.inner_state)
+      updates = tree_utils.select_tree(should_apply, new_updates, zeros)
+      inner_state = tree_utils.select_tree(should_apply, new_inner_state, old_inner_state)
+
+    skipped = jnp.logical_not(should_apply)
+    return updates, LossScaleOptimizerState(
+      inner_state=inner_state,
+      loss_scale=new_ls,
+      last_step_applied=should_apply,
+      consecutive_skips=jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32),
+      total_skips=state.total_skips + skipped.astype(jnp.int32),
+    )
+
+  tx = LossScaleOptimizer(init_fn, update_fn)
+  object.__setattr__(tx, "_inner", user_inner)
+  object.__setattr__(tx, "_loss_scale", initial_ls)
+  object.__setattr__(tx, "_skip_mode", resolved_mode)
+  object.__setattr__(tx, "_axis_name", axis_name)
+  return tx

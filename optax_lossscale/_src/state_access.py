@@ -1,0 +1,116 @@
+"""Finding the loss-scale state inside any optax state, and reading it.
+
+Optax states nest: `chain` makes tuples, `named_chain` dicts, `MultiSteps`
+and `inject_hyperparams` NamedTuples. These helpers search the whole tree, so
+user code never hard-codes where the wrapper sits in the chain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from optax_lossscale._src import loss_scale as loss_scale_lib
+from optax_lossscale._src.optimizer import LossScaleOptimizerState
+
+
+def _is_state(x: Any) -> bool:
+  return isinstance(x, LossScaleOptimizerState)
+
+
+def find_state(opt_state: Any) -> LossScaleOptimizerState:
+  """Returns the single `LossScaleOptimizerState` nested in `opt_state`.
+
+  Raises:
+    ValueError: if there is none, or more than one (the paths are listed).
+  """
+  found = [
+    (path, node)
+    for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0]
+    if _is_state(node)
+  ]
+  if not found:
+    raise ValueError(
+      "No LossScaleOptimizerState found in the given state; build the optimizer"
+      " with optax_lossscale.loss_scale_optimizer(...) and pass its state"
+      f" (got a {type(opt_state).__name__})."
+    )
+  if len(found) > 1:
+    paths = ", ".join(jax.tree_util.keystr(p) or "<root>" for p, _ in found)
+    raise ValueError(
+      f"Found {len(found)} LossScaleOptimizerStates (at {paths}); loss scaling"
+      " must wrap the optimizer once."
+    )
+  return found[0][1]
+
+
+def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
+  """Returns the current `LossScale` from a (possibly nested) optax state.
+
+  Works through `optax.chain`, `named_chain`, `MultiSteps` and
+  `inject_hyperparams`; a `LossScale` passed directly is returned as is.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = optax.chain(optax.add_decayed_weights(1e-4),
+    ...                  ols.loss_scale_optimizer(optax.adam(1e-3)))
+    >>> state = tx.init({'w': jnp.ones(3)})
+    >>> float(ols.get_loss_scale(state)())
+    32768.0
+  """
+  if isinstance(opt_state, loss_scale_lib.LossScale):
+    return opt_state
+  return find_state(opt_state).loss_scale
+
+
+def get_scaled_loss(loss: Any, opt_state: Any) -> Any:
+  """Multiplies `loss` by the current loss scale found in `opt_state`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> state = ols.loss_scale_optimizer(optax.sgd(1.0), 8).init(jnp.ones(2))
+    >>> ols.get_scaled_loss(jnp.float32(0.5), state)
+    Array(4., dtype=float32)
+  """
+  return get_loss_scale(opt_state).scale(loss)
+
+
+def get_unscaled_gradients(grads: Any, opt_state: Any) -> Any:
+  """Divides `grads` by the current loss scale found in `opt_state`.
+
+  `None` leaves stay `None`; non-float leaves pass through.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> state = ols.loss_scale_optimizer(optax.sgd(1.0), 8).init(jnp.ones(2))
+    >>> ols.get_unscaled_gradients([jnp.float32(4.0), None], state)
+    [Array(0.5, dtype=float32), None]
+  """
+  return get_loss_scale(opt_state).unscale(grads)
+
+
+def metrics(opt_state: Any) -> dict[str, jax.Array]:
+  """Returns scalars to log: the scale and the skip counters.
+
+  Keys: `loss_scale` (float32), `last_step_applied` (bool),
+  `consecutive_skips` and `total_skips` (int32). Jit-compatible; the values
+  are device arrays, so logging them does not force a sync until read.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> state = ols.loss_scale_optimizer(optax.sgd(1.0)).init(jnp.ones(2))
+    >>> sorted(ols.metrics(state))
+    ['consecutive_skips', 'last_step_applied', 'loss_scale', 'total_skips']
+  """
+  state = find_state(opt_state)
+  return {
+    "loss_scale": state.loss_scale(),
+    "last_step_applied": state.last_step_applied,
+    "consecutive_skips": state.consecutive_skips,
+    "total_skips": state.total_skips,
+  }
