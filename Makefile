@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-EXTRAS ?= dev,flax
+EXTRAS ?= dev,flax,bench
 
 .PHONY: install test lint demo bench clean
 
