@@ -45,8 +45,8 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-def _scale_leaf(x: jax.Array, factor: jax.Array, divide: bool) -> jax.Array:
-  """Multiplies or divides `x` by `factor`, returning `x`'s dtype.
+def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
+  """Multiplies `x` by the float32 `factor`, returning `x`'s dtype.
 
   The arithmetic runs in at least float32 so that a float16 leaf is never
   multiplied by a scale that float16 cannot represent (2**16 is inf there);
@@ -54,10 +54,7 @@ def _scale_leaf(x: jax.Array, factor: jax.Array, divide: bool) -> jax.Array:
   """
   x = jnp.asarray(x)
   compute_dtype = jnp.promote_types(x.dtype, jnp.float32)
-  factor = factor.astype(compute_dtype)
-  wide = x.astype(compute_dtype)
-  out = wide / factor if divide else wide * factor
-  return out.astype(x.dtype)
+  return (x.astype(compute_dtype) * factor.astype(compute_dtype)).astype(x.dtype)
 
 
 def _registry() -> dict[str, type[LossScale]]:
@@ -156,16 +153,19 @@ class LossScale(abc.ABC):
     through untouched.
     """
     factor = jnp.asarray(self.loss_scale, jnp.float32)
-    return tree_utils.map_inexact(lambda x: _scale_leaf(x, factor, divide=False), tree)
+    return tree_utils.map_inexact(lambda x: _scale_leaf(x, factor), tree)
 
   def unscale(self, tree: Any) -> Any:
     """Divides every floating leaf of `tree` by the loss scale.
 
+    The division is a multiplication by the float32 reciprocal `1 / S`, as in
+    Keras, and as XLA compiles `x / S` for a scalar `S` anyway: the bits are
+    the same on every backend, and exactly `x / S` for power-of-two scales.
     Each leaf keeps its dtype; `None`, integer, bool and `float0` leaves pass
     through untouched.
     """
-    factor = jnp.asarray(self.loss_scale, jnp.float32)
-    return tree_utils.map_inexact(lambda x: _scale_leaf(x, factor, divide=True), tree)
+    reciprocal = 1.0 / jnp.asarray(self.loss_scale, jnp.float32)
+    return tree_utils.map_inexact(lambda x: _scale_leaf(x, reciprocal), tree)
 
   @abc.abstractmethod
   def update(
@@ -344,8 +344,9 @@ class DynamicLossScale(LossScale):
     multiplier: the growth factor, a finite number > 1.
     min_loss_scale: the scale never backs off below this finite number > 0.
     max_loss_scale: growth that would exceed this finite number is not taken.
-    backoff_factor: the factor applied on overflow, in (0, 1). `None` divides
-      by `multiplier`, as TensorFlow does.
+    backoff_factor: the factor applied on overflow, in (0, 1). `None` uses
+      `1 / multiplier`, which for TensorFlow's multiplier of 2 halves the
+      scale exactly as TensorFlow does.
     hysteresis: back off only on the `hysteresis`-th non-finite step since
       the tracker was last restored (Megatron-LM); 1 backs off at once. Every
       non-finite step is skipped either way.
@@ -483,6 +484,17 @@ class DynamicLossScale(LossScale):
   def dynamic(self) -> bool:
     return True
 
+  @property
+  def backoff(self) -> float:
+    """The factor applied on overflow: `backoff_factor`, else `1 / multiplier`.
+
+    A multiplication, not a division by `multiplier`: XLA rewrites a division
+    by a constant into this multiplication under `jit` anyway, and eager code
+    must give the same bits. For power-of-two multipliers (TensorFlow's 2
+    included) it equals TensorFlow's division exactly.
+    """
+    return 1.0 / self.multiplier if self.backoff_factor is None else self.backoff_factor
+
   def update(
     self, grads: Any, axis_name: tree_utils.AxisName = None
   ) -> tuple[DynamicLossScale, jax.Array]:
@@ -512,10 +524,7 @@ class DynamicLossScale(LossScale):
 
     # Non-finite step: reset the counter, spend hysteresis, then back off.
     tracker_if_not = jnp.maximum(tracker - 1, 0)
-    if self.backoff_factor is None:
-      backed_off = scale / jnp.float32(self.multiplier)  # as TensorFlow divides
-    else:
-      backed_off = scale * jnp.float32(self.backoff_factor)
+    backed_off = scale * jnp.float32(self.backoff)
     backed_off = jnp.maximum(backed_off, jnp.float32(self.min_loss_scale))
     scale_if_not = jnp.where(tracker_if_not == 0, backed_off, scale)
 

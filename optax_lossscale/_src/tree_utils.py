@@ -133,8 +133,8 @@ def select_tree(pred: jax.typing.ArrayLike, on_true: Any, on_false: Any) -> Any:
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
       raise TypeError(
-        f"select_tree leaf {jax.tree_util.keystr(path)} differs between the"
-        f" branches: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}."
+        f"select_tree leaf {jax.tree_util.keystr(path)} differs in shape or dtype"
+        f" between the branches: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}."
       )
     selected.append(jax.lax.select(pred, a, b))
   return jax.tree.unflatten(true_def, selected)

@@ -1,0 +1,82 @@
+"""Plain-Python models of the loss-scale algorithms, written from their specs.
+
+They use numpy float32 scalars, as TensorFlow's float32 variables do, and share
+no code with the library, so tests compare two independent implementations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def tensorflow_trajectory(
+  finite_flags: list[bool],
+  initial_loss_scale: float = 2**15,
+  increment_period: int = 2000,
+  multiplier: float = 2.0,
+) -> list[tuple[np.float32, int]]:
+  """TensorFlow's DynamicLossScale.update, step by step: (scale, counter)."""
+  scale = np.float32(initial_loss_scale)
+  counter = 0
+  out = []
+  with np.errstate(over="ignore"):
+    for finite in finite_flags:
+      if finite:
+        if counter + 1 >= increment_period:
+          grown = scale * np.float32(multiplier)
+          if np.isfinite(grown):
+            scale = grown
+          counter = 0
+        else:
+          counter += 1
+      else:
+        scale = np.maximum(scale / np.float32(multiplier), np.float32(1.0))
+        counter = 0
+      out.append((np.float32(scale), counter))
+  return out
+
+
+@dataclasses.dataclass
+class GeneralModel:
+  """The documented algorithm with every knob (Megatron/DeepSpeed hysteresis)."""
+
+  initial_loss_scale: float = 2**15
+  increment_period: int = 2000
+  multiplier: float = 2.0
+  min_loss_scale: float = 1.0
+  max_loss_scale: float = float(np.finfo(np.float32).max)
+  backoff_factor: float | None = None
+  hysteresis: int = 1
+  consecutive_hysteresis: bool = False
+
+  def run(self, finite_flags: list[bool]) -> list[tuple[np.float32, int, int]]:
+    """Returns (scale, counter, max(tracker, 0)) after each step."""
+    scale = np.float32(self.initial_loss_scale)
+    counter, tracker = 0, self.hysteresis
+    out = []
+    with np.errstate(over="ignore"):
+      for finite in finite_flags:
+        if finite:
+          if counter + 1 >= self.increment_period:
+            grown = scale * np.float32(self.multiplier)
+            if np.isfinite(grown) and grown <= np.float32(self.max_loss_scale):
+              scale = grown
+            counter = 0
+            tracker = self.hysteresis
+          else:
+            counter += 1
+            if self.consecutive_hysteresis:
+              tracker = self.hysteresis
+        else:
+          counter = 0
+          tracker -= 1  # Megatron-LM lets it go negative; our tracker stops at 0.
+          if tracker <= 0:
+            if self.backoff_factor is None:
+              lowered = scale / np.float32(self.multiplier)
+            else:
+              lowered = scale * np.float32(self.backoff_factor)
+            scale = np.maximum(lowered, np.float32(self.min_loss_scale))
+        out.append((np.float32(scale), counter, max(tracker, 0)))
+    return out
