@@ -7,8 +7,7 @@ import json
 import math
 
 import chex
-from hypothesis import given
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
@@ -463,7 +462,7 @@ def test_get_accepted_forms():
 
 @pytest.mark.parametrize("bad", ["static", None, [1.0], True, {"class_name": "DynamicLossScale"}])
 def test_get_rejects_other_forms_listing_the_accepted_ones(bad):
-  with pytest.raises(ValueError, match="accepted|exactly the keys"):
+  with pytest.raises(ValueError, match=r"accepted|exactly the keys"):
     ols.get(bad)
 
 
