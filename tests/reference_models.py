@@ -73,10 +73,11 @@ class GeneralModel:
           counter = 0
           tracker -= 1  # Megatron-LM lets it go negative; our tracker stops at 0.
           if tracker <= 0:
-            if self.backoff_factor is None:
-              lowered = scale / np.float32(self.multiplier)
-            else:
-              lowered = scale * np.float32(self.backoff_factor)
+            # The documented backoff: a multiplication by 1/multiplier.
+            backoff = self.backoff_factor
+            if backoff is None:
+              backoff = 1.0 / self.multiplier
+            lowered = scale * np.float32(backoff)
             scale = np.maximum(lowered, np.float32(self.min_loss_scale))
         out.append((np.float32(scale), counter, max(tracker, 0)))
     return out

@@ -203,8 +203,10 @@ def loss_scale_optimizer(
     dynamic_growth_steps: finite steps between growths in the keyword form;
       2000 by default, must be None when `dynamic=False`.
     skip_mode: `'cond'` runs `inner` inside `lax.cond` so a skipped step costs
-      nothing; `'select'` always runs `inner` and selects the result;
-      `'auto'` picks per backend (currently `'cond'` everywhere).
+      nothing and applied steps are bit-identical to the unwrapped `inner`;
+      `'select'` always runs `inner` and selects the result (XLA may fuse it
+      and round the last bit differently); `'auto'` picks per backend
+      (currently `'cond'` everywhere).
     axis_name: inside `shard_map`/`pmap`, the axis name or tuple of names
       across which shards must agree to skip; not needed under plain `jit`.
 
@@ -228,9 +230,12 @@ def loss_scale_optimizer(
     Micikevicius et al., 2018, https://arxiv.org/abs/1710.03740
   """
   if not isinstance(inner, optax.GradientTransformation):
+    hint = ""
+    if hasattr(inner, "gradient_transformation"):
+      hint = " Pass optax.MultiSteps(...).gradient_transformation()."
     raise TypeError(
       "inner must be an optax.GradientTransformation (e.g. optax.adam(1e-3));"
-      f" got {type(inner).__name__}."
+      f" got {type(inner).__name__}.{hint}"
     )
   if skip_mode not in _SKIP_MODES:
     raise ValueError(f"skip_mode must be one of {_SKIP_MODES}; got {skip_mode!r}.")
@@ -245,7 +250,7 @@ def loss_scale_optimizer(
       inner_state=inner.init(params),
       # Fresh buffers: a donated state must not delete the prototype's arrays.
       loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), initial_ls),
-      last_step_applied=jnp.asarray(True),
+      last_step_applied=jnp.ones((), jnp.bool_),
       consecutive_skips=jnp.zeros((), jnp.int32),
       total_skips=jnp.zeros((), jnp.int32),
     )
@@ -257,33 +262,38 @@ def loss_scale_optimizer(
     **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleOptimizerState]:
     ls = state.loss_scale
+    unscaled = ls.unscale(grads)
 
     def apply_inner(
-      scaled_grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
+      grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
     ) -> tuple[optax.Updates, optax.OptState]:
-      # Unscaling here, next to its consumers, lets XLA fuse the division into
-      # the inner update instead of materialising the unscaled gradients.
-      return inner.update(ls.unscale(scaled_grads), inner_state, params, **extra_args)
+      return inner.update(grads, inner_state, params, **extra_args)
 
+    # Under 'cond' the unscaled gradients are materialised as the conditional's
+    # operand, so the inner update compiles exactly as it does unwrapped. (Fused
+    # with the unscaling multiply, XLA could contract a different multiply-add
+    # and change the last bit.)
+    operands = (unscaled, state.inner_state, params)
     if not ls.dynamic:
       # A fixed scale never skips (TensorFlow semantics): no check, no branch.
-      updates, inner_state = apply_inner(grads, state.inner_state, params)
+      updates, inner_state = apply_inner(*operands)
       return updates, state._replace(inner_state=inner_state)
 
-    new_ls, should_apply = ls.update(ls.unscale(grads), axis_name=axis_name)
-    operands = (grads, state.inner_state, params)
+    new_ls, should_apply = ls.update(unscaled, axis_name=axis_name)
     if resolved_mode == "cond":
 
       def skip_inner(
-        scaled_grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
+        grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
       ) -> tuple[optax.Updates, optax.OptState]:
-        shapes = jax.eval_shape(apply_inner, scaled_grads, inner_state, params)
+        shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
         return _zeros_and_passthrough(shapes, inner_state)
 
       # The pass-through is the false branch: XLA then aliases the state
       # buffers instead of copying them.
       updates, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
     else:
+      # XLA fuses the unscaling and the selects into the inner update here, and
+      # may round the last bit differently from the unwrapped optimizer.
       new_updates, new_inner_state = apply_inner(*operands)
       shapes = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (new_updates, new_inner_state)

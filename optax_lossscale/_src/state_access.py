@@ -25,11 +25,16 @@ def find_state(opt_state: Any) -> LossScaleOptimizerState:
   Raises:
     ValueError: if there is none, or more than one (the paths are listed).
   """
-  found = [
-    (path, node)
-    for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0]
-    if _is_state(node)
-  ]
+  found = []
+
+  def search(tree: Any, prefix: tuple[Any, ...]) -> None:
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)[0]:
+      if _is_state(node):
+        found.append((prefix + path, node))
+        # A wrapper wrapped in another is an error: look inside too.
+        search(node.inner_state, (*prefix, *path, jax.tree_util.GetAttrKey("inner_state")))
+
+  search(opt_state, ())
   if not found:
     raise ValueError(
       "No LossScaleOptimizerState found in the given state; build the optimizer"
