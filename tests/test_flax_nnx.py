@@ -12,9 +12,9 @@ import pytest
 import optax_lossscale as ols
 
 pytest.importorskip("flax")
-from flax import nnx  # noqa: E402
+from flax import nnx
 
-from optax_lossscale.flax import nnx_value_and_grad  # noqa: E402
+from optax_lossscale.flax import nnx_value_and_grad
 
 INITIAL_SCALE = 2.0**6
 PERIOD = 3
