@@ -211,7 +211,7 @@ def _nnx_run(model, optimizer, batches):
     _nnx_step(model, optimizer, x, y)
 
 
-def test_nnx_orbax_resumes_exactly(tmp_path):
+def test_nnx_orbax_and_msgpack_resume_exactly(tmp_path):
   model, optimizer = _make_nnx()
   _nnx_run(model, optimizer, BATCHES)
   uninterrupted = nnx.to_pure_dict(nnx.state((model, optimizer)))
@@ -221,11 +221,25 @@ def test_nnx_orbax_resumes_exactly(tmp_path):
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(tmp_path / "nnx", nnx.state((model, optimizer)))
     checkpointer.wait_until_finished()
+  pure = nnx.to_pure_dict(nnx.state((model, optimizer)))
+  assert set(pure[1]["opt_state"]["loss_scale"]) == {"loss_scale", "counter", "hysteresis_tracker"}
+  (tmp_path / "nnx.msgpack").write_bytes(serialization.msgpack_serialize(pure))
 
-  graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: _make_nnx(seed=123)))
-  with ocp.StandardCheckpointer() as checkpointer:
-    restored = checkpointer.restore(tmp_path / "nnx", abstract_state)
-  model, optimizer = nnx.merge(graphdef, restored)
-  assert int(ols.metrics(optimizer)["total_skips"]) == 2
-  _nnx_run(model, optimizer, BATCHES[N:])
-  chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state((model, optimizer))), uninterrupted)
+  def resume(restore):
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: _make_nnx(seed=123)))
+    model, optimizer = nnx.merge(graphdef, restore(abstract_state))
+    assert int(ols.metrics(optimizer)["total_skips"]) == 2
+    _nnx_run(model, optimizer, BATCHES[N:])
+    chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state((model, optimizer))), uninterrupted)
+
+  def from_orbax(abstract_state):
+    with ocp.StandardCheckpointer() as checkpointer:
+      return checkpointer.restore(tmp_path / "nnx", abstract_state)
+
+  def from_msgpack(abstract_state):
+    restored = serialization.msgpack_restore((tmp_path / "nnx.msgpack").read_bytes())
+    nnx.replace_by_pure_dict(abstract_state, jax.tree.map(jnp.asarray, restored))
+    return abstract_state
+
+  resume(from_orbax)
+  resume(from_msgpack)

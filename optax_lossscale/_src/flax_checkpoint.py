@@ -106,7 +106,9 @@ def check_loss_scale_kind(saved_tree: Any, target: Any) -> None:
   Args:
     saved_tree: the saved pytree or its metadata (e.g. Orbax's metadata
       tree), with the keys it was saved with.
-    target: the restore target (concrete or from `jax.eval_shape`).
+    target: the restore target (concrete or from `jax.eval_shape`). Only
+      `LossScale` objects in it are checked: an `nnx.State` holds their leaves
+      as plain entries, and Orbax's own structure check covers it.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
