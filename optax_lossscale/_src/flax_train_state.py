@@ -9,9 +9,12 @@ makes the skipped step exact and visible:
     if the step was applied: params += updates; step += 1
     else:                     params, step unchanged   # not even -0.0 -> +0.0
 
-so `state.step` counts applied updates, like the inner optimizer's own count
-(Keras's `optimizer.iterations` behaves the same way); calls to
-`apply_gradients` are `state.step + metrics(state)['total_skips']`.
+so a skipped step is as if it had not happened, except for the loss scale and
+the skip counters, and `state.step` counts applied updates: it stays equal to
+the inner optimizer's own `count`, which its schedules read. (Keras's
+`optimizer.iterations` and `nnx.Optimizer.step` count calls instead.) To number
+checkpoints or log lines by call, use `state.step + metrics(state)['total_skips']`:
+`state.step` repeats across a skipped step.
 """
 
 from __future__ import annotations
