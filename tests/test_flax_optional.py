@@ -51,6 +51,11 @@ SCRIPT = textwrap.dedent(
   assert float(loss) == 3.0 and not bool(jnp.all(new_params["w"] == params["w"]))
   metrics = ols.metrics(state)
   assert (int(metrics["total_skips"]), float(metrics["loss_scale"])) == (1, 8.0), metrics
+  # Any holder with an `opt_state` attribute works, as TrainState and nnx.Optimizer do.
+  import types
+  holder = types.SimpleNamespace(opt_state=state, params=params)
+  assert float(ols.get_loss_scale(holder)()) == 8.0
+  assert int(ols.metrics(holder)["total_skips"]) == 1
   assert not [m for m in sys.modules if m.split(".")[0] in ("flax", "orbax")]
   try:
     import optax_lossscale.flax
