@@ -140,14 +140,25 @@ def save_checkpoint(directory: str | os.PathLike[str], state: Any, *, force: boo
   only pairs with `restore_checkpoint`.
 
   Args:
-    directory: an absolute path; it must not exist unless `force` is True.
+    directory: where to write (made absolute, as Orbax requires); it must
+      not exist unless `force` is True.
     state: the pytree to save.
     force: overwrite an existing checkpoint.
+
+  Example:
+    >>> import os, tempfile, jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> from optax_lossscale.flax import save_checkpoint
+    >>> state = ols.loss_scale_optimizer(optax.adam(1e-3)).init({'w': jnp.ones(2)})
+    >>> path = os.path.join(tempfile.mkdtemp(), 'ckpt')
+    >>> save_checkpoint(path, state)
+    >>> os.path.isdir(path)
+    True
   """
   import orbax.checkpoint as ocp  # heavy: imported only when used
 
   with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(os.fspath(directory), state, force=force)
+    checkpointer.save(os.path.abspath(directory), state, force=force)
     checkpointer.wait_until_finished()
 
 
@@ -155,7 +166,7 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any) -> Any:
   """Restores an Orbax checkpoint into `target`, checking the loss-scale kind first.
 
   Args:
-    directory: an absolute path written by `save_checkpoint` or by Orbax's
+    directory: a checkpoint written by `save_checkpoint` or by Orbax's
       `StandardCheckpointer`.
     target: a concrete or abstract (`jax.eval_shape`) state built by the code:
       it supplies the structure, dtypes and all hyper-parameters.
@@ -166,10 +177,23 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any) -> Any:
   Raises:
     ValueError: if the checkpoint holds a different kind of loss scale than
       `target` (naming both), or does not match `target` otherwise.
+
+  Example:
+    >>> import os, tempfile, jax, jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> from optax_lossscale.flax import restore_checkpoint, save_checkpoint
+    >>> tx = ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale(8.0))
+    >>> make = lambda: tx.init({'w': jnp.ones(2)})
+    >>> _, state = tx.update({'w': jnp.array([jnp.inf, 0.0])}, make())  # a skip
+    >>> path = os.path.join(tempfile.mkdtemp(), 'ckpt')
+    >>> save_checkpoint(path, state)
+    >>> restored = restore_checkpoint(path, jax.eval_shape(make))
+    >>> float(ols.get_loss_scale(restored)()), int(restored.total_skips)
+    (4.0, 1)
   """
   import orbax.checkpoint as ocp  # heavy: imported only when used
 
-  directory = os.fspath(directory)
+  directory = os.path.abspath(directory)
   with ocp.StandardCheckpointer() as checkpointer:
     metadata = checkpointer.metadata(directory)
     saved_tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
