@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from absl.testing import parameterized
 import chex
 import jax
@@ -25,17 +23,7 @@ NAN_STEPS = {1: np.nan, 4: np.inf, 5: -np.inf}  # step -> value put into the bat
 STEPS = 9
 
 
-class MLP(nn.Module):
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(8, dtype=self.dtype, param_dtype=self.param_dtype)(x)
-    return nn.Dense(1, dtype=self.dtype, param_dtype=self.param_dtype)(nn.relu(x))
-
-
-MODEL = MLP()
+MODEL = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(1)])
 
 
 def _batches(steps=STEPS, faults=NAN_STEPS):
@@ -182,7 +170,7 @@ class TrainStateTest(chex.TestCase):
         chex.assert_trees_all_equal(state.params, before.params)
         chex.assert_trees_all_equal(state.opt_state.inner_state, before.opt_state.inner_state)
       else:
-        kernel = lambda s: s.params["Dense_0"]["kernel"]
+        kernel = lambda s: s.params["layers_0"]["kernel"]
         self.assertTrue(bool(jnp.any(kernel(state) != kernel(before))))
     self.assertEqual(int(state.step), 3)
     self.assertEqual(int(ols.metrics(state)["total_skips"]), 1)
