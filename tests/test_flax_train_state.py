@@ -87,8 +87,8 @@ class TrainStateTest(chex.TestCase):
     params, inner_state, scale, counter, skips, applied = _reference_run(batches)
     # Two differently compiled programs: equal up to float32 rounding; the
     # counts, the scale and the step are exact.
-    chex.assert_trees_all_close(state.params, params, rtol=1e-6, atol=1e-8)
-    chex.assert_trees_all_close(state.opt_state.inner_state, inner_state, rtol=1e-6, atol=1e-10)
+    chex.assert_trees_all_close(state.params, params, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(state.opt_state.inner_state, inner_state, rtol=1e-5, atol=1e-9)
     self.assertEqual(int(state.opt_state.inner_state[0].count), applied)
     self.assertEqual(float(state.loss_scale()), scale)
     self.assertEqual(int(state.loss_scale.counter), counter)
