@@ -1,5 +1,6 @@
 """optax_lossscale: mixed-precision loss scaling for JAX, the optax way."""
 
+from optax_lossscale._src.grad import value_and_grad
 from optax_lossscale._src.loss_scale import (
   DynamicLossScale,
   FixedLossScale,
@@ -41,4 +42,5 @@ __all__ = (
   "metrics",
   "select_tree",
   "serialize",
+  "value_and_grad",
 )

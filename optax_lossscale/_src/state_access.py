@@ -2,7 +2,9 @@
 
 Optax states nest: `chain` makes tuples, `named_chain` dicts, `MultiSteps`
 and `inject_hyperparams` NamedTuples. These helpers search the whole tree, so
-user code never hard-codes where the wrapper sits in the chain.
+user code never hard-codes where the wrapper sits in the chain. Objects with
+an `opt_state` attribute (Flax's `TrainState`, `nnx.Optimizer`) are searched
+through it, without importing Flax.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from optax_lossscale._src import loss_scale as loss_scale_lib
 from optax_lossscale._src.optimizer import LossScaleOptimizerState
@@ -19,12 +22,43 @@ def _is_state(x: Any) -> bool:
   return isinstance(x, LossScaleOptimizerState)
 
 
+def _unwrap(x: Any) -> Any:
+  """Returns the array inside a one-array box such as an `nnx.Variable`, else `x`.
+
+  `nnx.Optimizer` keeps every optimizer-state leaf in a Variable, a pytree with
+  exactly one leaf; unwrapping it generically keeps Flax out of the core.
+  """
+  if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return x
+  leaves = jax.tree.leaves(x)
+  return leaves[0] if len(leaves) == 1 else x
+
+
+def _plain(state: LossScaleOptimizerState) -> LossScaleOptimizerState:
+  """Unwraps the loss scale's leaves and the counters into plain arrays."""
+  ls = state.loss_scale
+  if isinstance(ls, loss_scale_lib.LossScale):
+    ls = ls.replace(**{f: _unwrap(getattr(ls, f)) for f in ls._state_fields})
+  return state._replace(
+    loss_scale=ls,
+    last_step_applied=_unwrap(state.last_step_applied),
+    consecutive_skips=_unwrap(state.consecutive_skips),
+    total_skips=_unwrap(state.total_skips),
+  )
+
+
 def find_state(opt_state: Any) -> LossScaleOptimizerState:
   """Returns the single `LossScaleOptimizerState` nested in `opt_state`.
+
+  `opt_state` may also be an object with an `opt_state` attribute (a Flax
+  `TrainState` or `nnx.Optimizer`); the loss scale and counters of the result
+  are plain arrays even where Flax boxes them in `nnx.Variable`s.
 
   Raises:
     ValueError: if there is none, or more than one (the paths are listed).
   """
+  if not isinstance(opt_state, LossScaleOptimizerState) and hasattr(opt_state, "opt_state"):
+    opt_state = opt_state.opt_state
   found = []
 
   def search(tree: Any, prefix: tuple[Any, ...]) -> None:
@@ -47,14 +81,15 @@ def find_state(opt_state: Any) -> LossScaleOptimizerState:
       f"Found {len(found)} LossScaleOptimizerStates (at {paths}); loss scaling"
       " must wrap the optimizer once."
     )
-  return found[0][1]
+  return _plain(found[0][1])
 
 
 def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
   """Returns the current `LossScale` from a (possibly nested) optax state.
 
   Works through `optax.chain`, `named_chain`, `MultiSteps` and
-  `inject_hyperparams`; a `LossScale` passed directly is returned as is.
+  `inject_hyperparams`, and accepts a Flax `TrainState` or `nnx.Optimizer`
+  (returning plain arrays); a `LossScale` passed directly is returned as is.
 
   Example:
     >>> import jax.numpy as jnp, optax
