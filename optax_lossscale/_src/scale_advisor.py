@@ -91,7 +91,7 @@ def _shares(values: np.ndarray, scale: float, dtype: np.dtype) -> tuple[float, f
     return 0.0, 0.0
   # float32 arithmetic, as on the device; a power-of-two scale is exact there.
   stored = np.abs((values * np.float32(scale)).astype(dtype)).astype(np.float32)
-  smallest_normal = float(np.finfo(dtype).smallest_normal)
+  smallest_normal = float(jax.numpy.finfo(dtype).smallest_normal)
   underflow = np.count_nonzero(stored == 0)
   subnormal = np.count_nonzero((stored != 0) & (stored < smallest_normal))
   return float(underflow / values.size), float(subnormal / values.size)
@@ -159,7 +159,7 @@ def suggest_loss_scale(
   values = values[finite & (values != 0)]
 
   max_abs = float(np.max(np.abs(values))) if values.size else 0.0
-  dtype_max = float(np.finfo(target).max)
+  dtype_max = float(jax.numpy.finfo(target).max)
   exponent = _largest_power_of_two_at_most(max_scale)
   if max_abs > 0:
     # A float64 estimate, then exact rational checks to settle the boundary.
