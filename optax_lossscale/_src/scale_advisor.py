@@ -90,7 +90,8 @@ def _shares(values: np.ndarray, scale: float, dtype: np.dtype) -> tuple[float, f
   if values.size == 0:
     return 0.0, 0.0
   # float32 arithmetic, as on the device; a power-of-two scale is exact there.
-  stored = np.abs((values * np.float32(scale)).astype(dtype)).astype(np.float32)
+  with np.errstate(over="ignore"):  # values beyond the dtype's range become inf: expected
+    stored = np.abs((values * np.float32(scale)).astype(dtype)).astype(np.float32)
   smallest_normal = float(jax.numpy.finfo(dtype).smallest_normal)
   underflow = np.count_nonzero(stored == 0)
   subnormal = np.count_nonzero((stored != 0) & (stored < smallest_normal))
