@@ -129,9 +129,10 @@ def check_options(
 _ADVICE = """\
 What to try:
   - If the scale is at or near 1, the NaN/Inf do not come from loss scaling:
-    look at the forward pass feeding the leaves above (the loss itself, log,
-    exp or division by zero, float16 activations beyond 65504), and check the
-    input batch for NaN/Inf.
+    look at the loss and the forward pass feeding the leaves above (a loss
+    summed instead of averaged over a large batch, log/exp/division by zero,
+    float16 activations beyond 65504), and at the input batch (NaN/Inf,
+    unnormalised features).
   - Compute the loss, softmax and normalisation statistics in float32.
   - If the parameters grew until activations overflow, lower the learning
     rate or clip the gradients (optax.clip_by_global_norm).
