@@ -68,7 +68,7 @@ def main() -> None:
   )
   try:
     train(tx, params, (x, y), jnp.sum, steps=100)
-  except jax.errors.JaxRuntimeError as e:
+  except (jax.errors.JaxRuntimeError, ValueError) as e:  # jax's wrappers of a callback error
     message = str(e)
     print(message[message.index("OverflowGuardError") :])
 

@@ -224,9 +224,12 @@ def loss_scale_optimizer(
       that overflowed. Off by default; when off nothing is added to the step.
     raise_at_min_loss_scale: raise `OverflowGuardError` when a step overflows
       although the scale is already at the loss scale's `min_loss_scale`.
-      Both guards surface under `jit` as a `jax.errors.JaxRuntimeError`
-      carrying the message. With a fixed scale no step is skipped, so the
-      guards never fire and the flags stay False.
+      The error is raised from a host callback, so jax delivers it as a
+      `jax.errors.JaxRuntimeError` or `ValueError` whose message holds the
+      `OverflowGuardError` text. With a guard on, the step contains a host
+      callback (never run unless it fires), which makes CPU execution of the
+      step synchronous; see the README. With a fixed scale no step is
+      skipped, so the guards never fire and the flags stay False.
 
   Returns:
     A `LossScaleOptimizer`, an `optax.GradientTransformationExtraArgs`.
@@ -327,7 +330,7 @@ def loss_scale_optimizer(
         nonfinite_leaves, ls.unscale(grads), should_apply, axis_name
       )
     if guard is not None:
-      guard(ls, should_apply, consecutive_skips, ls.unscale(grads))
+      consecutive_skips = guard(ls, should_apply, consecutive_skips, grads)
     return updates, LossScaleOptimizerState(
       inner_state=inner_state,
       loss_scale=new_ls,
