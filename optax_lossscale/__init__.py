@@ -1,6 +1,12 @@
 """optax_lossscale: mixed-precision loss scaling for JAX, the optax way."""
 
 from optax_lossscale._src.grad import value_and_grad
+from optax_lossscale._src.gradient_report import (
+  GradientReport,
+  LeafStats,
+  format_gradient_report,
+  gradient_report,
+)
 from optax_lossscale._src.loss_scale import (
   DynamicLossScale,
   FixedLossScale,
@@ -15,6 +21,8 @@ from optax_lossscale._src.optimizer import (
   LossScaleOptimizerState,
   loss_scale_optimizer,
 )
+from optax_lossscale._src.overflow_guard import OverflowGuardError
+from optax_lossscale._src.scale_advisor import ScaleAdvice, suggest_loss_scale
 from optax_lossscale._src.state_access import (
   get_loss_scale,
   get_scaled_loss,
@@ -28,19 +36,26 @@ __version__ = "0.1.0"
 __all__ = (
   "DynamicLossScale",
   "FixedLossScale",
+  "GradientReport",
+  "LeafStats",
   "LossScale",
   "LossScaleOptimizer",
   "LossScaleOptimizerState",
   "NoOpLossScale",
+  "OverflowGuardError",
+  "ScaleAdvice",
   "all_finite",
   "deserialize",
+  "format_gradient_report",
   "get",
   "get_loss_scale",
   "get_scaled_loss",
   "get_unscaled_gradients",
+  "gradient_report",
   "loss_scale_optimizer",
   "metrics",
   "select_tree",
   "serialize",
+  "suggest_loss_scale",
   "value_and_grad",
 )

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src import tree_utils
+from optax_lossscale._src import overflow_guard, tree_utils
 
 SkipMode = Literal["auto", "cond", "select"]
 _SKIP_MODES = ("auto", "cond", "select")
@@ -36,6 +36,9 @@ class LossScaleOptimizerState(NamedTuple):
       (True before the first update).
     consecutive_skips: int32 scalar, skipped updates since the last applied one.
     total_skips: int32 scalar, skipped updates since `init`.
+    nonfinite_leaves: None, or with `record_nonfinite_leaves=True` a tree
+      shaped like the parameters holding one bool scalar per leaf: whether
+      that leaf's gradient held NaN/Inf on the last skipped step.
   """
 
   inner_state: optax.OptState
@@ -43,6 +46,7 @@ class LossScaleOptimizerState(NamedTuple):
   last_step_applied: jax.Array
   consecutive_skips: jax.Array
   total_skips: jax.Array
+  nonfinite_leaves: Any = None
 
 
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
@@ -104,6 +108,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       "dynamic_growth_steps": self.dynamic_growth_steps,
       "skip_mode": self.skip_mode,
       "axis_name": list(axis_name) if isinstance(axis_name, tuple) else axis_name,
+      **self.__dict__["_diagnostics"],
     }
 
   def __setattr__(self, name: str, value: Any) -> None:
@@ -183,6 +188,9 @@ def loss_scale_optimizer(
   dynamic_growth_steps: int | None = None,
   skip_mode: SkipMode = "auto",
   axis_name: tree_utils.AxisName = None,
+  record_nonfinite_leaves: bool = False,
+  max_consecutive_skips: int | None = None,
+  raise_at_min_loss_scale: bool = False,
 ) -> LossScaleOptimizer:
   """Wraps an optax transformation with loss scaling and overflow skipping.
 
@@ -209,6 +217,21 @@ def loss_scale_optimizer(
       (currently `'cond'` everywhere).
     axis_name: inside `shard_map`/`pmap`, the axis name or tuple of names
       across which shards must agree to skip; not needed under plain `jit`.
+    record_nonfinite_leaves: keep in the state one bool per parameter leaf
+      saying whether its gradient held NaN/Inf on the last skipped step;
+      `metrics` then lists them by path under `'nonfinite_leaves'`.
+    max_consecutive_skips: if set (an integer >= 1), a skipped step that makes
+      the streak of consecutive skips longer than this raises
+      `OverflowGuardError` from the step, with a report naming the leaves
+      that overflowed. Off by default; when off nothing is added to the step.
+    raise_at_min_loss_scale: raise `OverflowGuardError` when a step overflows
+      although the scale is already at the loss scale's `min_loss_scale`.
+      The error is raised from a host callback, so jax delivers it as a
+      `jax.errors.JaxRuntimeError` or `ValueError` whose message holds the
+      `OverflowGuardError` text. With a guard on, the step contains a host
+      callback (never run unless it fires), which makes CPU execution of the
+      step synchronous; see the README. With a fixed scale no step is
+      skipped, so the guards never fire and the flags stay False.
 
   Returns:
     A `LossScaleOptimizer`, an `optax.GradientTransformationExtraArgs`.
@@ -241,6 +264,10 @@ def loss_scale_optimizer(
     raise ValueError(f"skip_mode must be one of {_SKIP_MODES}; got {skip_mode!r}.")
   axis_name = tree_utils.normalize_axis_name(axis_name)
   initial_ls = _resolve_loss_scale(loss_scale, dynamic, initial_scale, dynamic_growth_steps)
+  diagnostics = overflow_guard.check_options(
+    initial_ls, max_consecutive_skips, raise_at_min_loss_scale, record_nonfinite_leaves
+  )
+  guard = overflow_guard.make_guard(initial_ls, max_consecutive_skips, raise_at_min_loss_scale)
   user_inner, inner = inner, optax.with_extra_args_support(inner)
   # 'auto' is 'cond' on every backend; see BENCHMARKS.md for the measurements.
   resolved_mode = "cond" if skip_mode == "auto" else skip_mode
@@ -253,6 +280,9 @@ def loss_scale_optimizer(
       last_step_applied=jnp.ones((), jnp.bool_),
       consecutive_skips=jnp.zeros((), jnp.int32),
       total_skips=jnp.zeros((), jnp.int32),
+      nonfinite_leaves=(
+        overflow_guard.init_nonfinite_leaves(params) if record_nonfinite_leaves else None
+      ),
     )
 
   def update_fn(
@@ -303,12 +333,21 @@ def loss_scale_optimizer(
       inner_state = tree_utils.select_tree(should_apply, new_inner_state, old_inner_state)
 
     skipped = jnp.logical_not(should_apply)
+    consecutive_skips = jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32)
+    nonfinite_leaves = state.nonfinite_leaves
+    if record_nonfinite_leaves:
+      nonfinite_leaves = overflow_guard.update_nonfinite_leaves(
+        nonfinite_leaves, ls.unscale(grads), should_apply, axis_name
+      )
+    if guard is not None:
+      consecutive_skips = guard(ls, should_apply, consecutive_skips, grads)
     return updates, LossScaleOptimizerState(
       inner_state=inner_state,
       loss_scale=new_ls,
       last_step_applied=should_apply,
-      consecutive_skips=jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32),
+      consecutive_skips=consecutive_skips,
       total_skips=state.total_skips + skipped.astype(jnp.int32),
+      nonfinite_leaves=nonfinite_leaves,
     )
 
   tx = LossScaleOptimizer(init_fn, update_fn)
@@ -316,4 +355,5 @@ def loss_scale_optimizer(
   object.__setattr__(tx, "_loss_scale", initial_ls)
   object.__setattr__(tx, "_skip_mode", resolved_mode)
   object.__setattr__(tx, "_axis_name", axis_name)
+  object.__setattr__(tx, "_diagnostics", diagnostics)
   return tx

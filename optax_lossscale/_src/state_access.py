@@ -133,12 +133,15 @@ def get_unscaled_gradients(grads: Any, opt_state: Any) -> Any:
   return get_loss_scale(opt_state).unscale(grads)
 
 
-def metrics(opt_state: Any) -> dict[str, jax.Array]:
+def metrics(opt_state: Any) -> dict[str, Any]:
   """Returns scalars to log: the scale and the skip counters.
 
   Keys: `loss_scale` (float32), `last_step_applied` (bool),
   `consecutive_skips` and `total_skips` (int32). Jit-compatible; the values
-  are device arrays, so logging them does not force a sync until read.
+  are device arrays, so logging them does not force a sync until read. With
+  `record_nonfinite_leaves=True` there is one more key, `nonfinite_leaves`:
+  a dict from each parameter leaf's path (`jax.tree_util.keystr`) to a bool
+  scalar, True if that leaf's gradient held NaN/Inf on the last skipped step.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -148,9 +151,13 @@ def metrics(opt_state: Any) -> dict[str, jax.Array]:
     ['consecutive_skips', 'last_step_applied', 'loss_scale', 'total_skips']
   """
   state = find_state(opt_state)
-  return {
+  out: dict[str, Any] = {
     "loss_scale": state.loss_scale(),
     "last_step_applied": state.last_step_applied,
     "consecutive_skips": state.consecutive_skips,
     "total_skips": state.total_skips,
   }
+  if state.nonfinite_leaves is not None:
+    flat = jax.tree_util.tree_flatten_with_path(state.nonfinite_leaves)[0]
+    out["nonfinite_leaves"] = {jax.tree_util.keystr(p) or "<root>": flag for p, flag in flat}
+  return out
