@@ -313,9 +313,9 @@ def loss_scale_optimizer(
       updates, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
     else:
       new_updates, new_inner_state = apply_inner(*operands)
-      shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (new_updates, new_inner_state)
-      )
+      # eval_shape, unlike a bare ShapeDtypeStruct, keeps each leaf's sharding
+      # and varying mesh axes, which select requires both cases to share.
+      shapes = jax.eval_shape(lambda tree: tree, (new_updates, new_inner_state))
       zeros, old_inner_state = _zeros_and_passthrough(shapes, state.inner_state)
       updates = tree_utils.select_tree(should_apply, new_updates, zeros)
       inner_state = tree_utils.select_tree(should_apply, new_inner_state, old_inner_state)
