@@ -39,3 +39,24 @@ def test_eight_device_session() -> None:
   summary = output.strip().splitlines()[-1]
   # Every test ran and passed: nothing skipped, deselected or xfailed.
   assert re.fullmatch(r"\d+ passed(, \d+ warnings?)? in [\d.]+s( \(.*\))?", summary), summary
+
+
+def test_multi_device_example_runs_on_simulated_devices() -> None:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "examples" / "multi_device.py"), "--steps", "12"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=TIMEOUT_S,
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  # The example sets XLA_FLAGS itself and raises if any two devices disagree.
+  assert "jit: 8 cpu devices" in proc.stdout and "shard_map: 8 cpu devices" in proc.stdout
+  finals = re.findall(r"final loss scale (\d+), skipped steps (\d+)", proc.stdout)
+  assert len(finals) == 2, proc.stdout
+  # 2**24 overflows float16 at first: both modes back off and skip.
+  assert all(int(scale) < 2**24 and int(skips) > 0 for scale, skips in finals), finals
