@@ -120,15 +120,16 @@ def run(mode: str, steps: int, initial_scale: float) -> None:
         )
       )
 
+    def per_device(a: jax.Array) -> set[Any]:
+      """The distinct values this host's devices hold of a replicated scalar."""
+      return {np.asarray(s.data).item() for s in a.addressable_shards}
+
     print(f"{mode}: {n} {jax.devices()[0].platform} devices, FSDP-sharded parameters")
     print(f"{'step':>5} {'loss':>9} {'scale':>10} {'applied':>8} {'devices agreeing':>17}")
     for i in range(steps):
       params, opt_state, loss = step(params, opt_state, batch)
       scale = ols.get_loss_scale(opt_state).loss_scale
-      copies = {np.asarray(s.data).item() for s in scale.addressable_shards}
-      decisions = {
-        np.asarray(s.data).item() for s in opt_state.last_step_applied.addressable_shards
-      }
+      copies, decisions = per_device(scale), per_device(opt_state.last_step_applied)
       if len(copies) != 1 or len(decisions) != 1:
         raise RuntimeError(f"devices disagree at step {i}: scales {copies}, applied {decisions}")
       if i < 8 or i % 20 == 0 or i == steps - 1:
