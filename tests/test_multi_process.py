@@ -92,16 +92,18 @@ def _launch(out_dir: pathlib.Path) -> tuple[int, str]:
 
 
 def _reference() -> tuple[dict[str, np.ndarray], list[bool]]:
-  """The same training in this process on one device, whole batch at once."""
+  """The same training in this process on one CPU device, whole batch at once."""
   tx = md_model.make_tx()
   step = jax.jit(md_model.make_train_step(tx))
-  params = md_model.init_params()
-  opt_state = tx.init(params)
-  applied = []
-  for i in range(worker.STEPS):
-    batch = md_model.make_batch(i, worker.NAN_ROW if i in worker.NAN_STEPS else None)
-    params, opt_state = step(params, opt_state, batch)
-    applied.append(bool(opt_state.last_step_applied))
+  # The workers run on CPU; an accelerator here could round float32 matmuls.
+  with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
+    params = md_model.init_params()
+    opt_state = tx.init(params)
+    applied = []
+    for i in range(worker.STEPS):
+      batch = md_model.make_batch(i, worker.NAN_ROW if i in worker.NAN_STEPS else None)
+      params, opt_state = step(params, opt_state, batch)
+      applied.append(bool(opt_state.last_step_applied))
   return jax.device_get(params), applied
 
 
