@@ -171,35 +171,9 @@ def _zeros_and_passthrough(shapes: tuple[Any, Any], old_state: Any) -> tuple[Any
         f"The inner transformation changes a state leaf's shape from {old.shape}"
         f" to {shape.shape}; it cannot be skipped."
       )
-    old = old if old.dtype == shape.dtype else old.astype(shape.dtype)
-    return _vary_like(old, shape)
+    return old if old.dtype == shape.dtype else old.astype(shape.dtype)
 
   return zeros, jax.tree.map(cast, old_state, state_shapes)
-
-
-def _varying_axes(x: Any) -> frozenset:
-  """The shard_map mesh axes along which `x` varies (empty outside shard_map)."""
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  axis_type = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
-  if axis_type is not None:
-    return frozenset(axis_type.varying)
-  return frozenset(getattr(aval, "vma", None) or ())  # earlier jax
-
-
-def _vary_like(x: jax.Array, like: jax.ShapeDtypeStruct) -> jax.Array:
-  """Marks `x` as varying over the mesh axes `like` varies over.
-
-  Inside `shard_map`, an inner update fed per-shard gradients returns state
-  that varies across shards even where the old state was replicated; both
-  `lax.cond` branches must carry the same type, so the pass-through follows.
-  The cast moves no data.
-  """
-  missing = tuple(sorted(_varying_axes(like) - _varying_axes(x), key=str))
-  if not missing:
-    return x
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(x, missing, to="varying")
-  return jax.lax.pvary(x, missing)
 
 
 def loss_scale_optimizer(
