@@ -158,7 +158,9 @@ def _zeros_and_passthrough(shapes: tuple[Any, Any], old_state: Any) -> tuple[Any
   bf16 moments fed f32 gradients), so both branches of `lax.cond` agree.
   """
   update_shapes, state_shapes = shapes
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+  # zeros_like of a ShapeDtypeStruct keeps its sharding and, inside
+  # shard_map, the mesh axes it varies over, which cond requires to match.
+  zeros = jax.tree.map(lambda s: jnp.zeros_like(s, dtype=s.dtype), update_shapes)
   state_def = jax.tree.structure(state_shapes)
   if jax.tree.structure(old_state) != state_def:
     raise ValueError(
@@ -325,9 +327,9 @@ def loss_scale_optimizer(
       # XLA fuses the unscaling and the selects into the inner update here, and
       # may round the last bit differently from the unwrapped optimizer.
       new_updates, new_inner_state = apply_inner(*operands)
-      shapes = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (new_updates, new_inner_state)
-      )
+      # eval_shape, unlike a bare ShapeDtypeStruct, keeps each leaf's sharding
+      # and varying mesh axes, which select requires both cases to share.
+      shapes = jax.eval_shape(lambda tree: tree, (new_updates, new_inner_state))
       zeros, old_inner_state = _zeros_and_passthrough(shapes, state.inner_state)
       updates = tree_utils.select_tree(should_apply, new_updates, zeros)
       inner_state = tree_utils.select_tree(should_apply, new_inner_state, old_inner_state)
