@@ -71,6 +71,17 @@ class LossScale(abc.ABC):
   hyper-parameters in `_config_fields`; this base class provides the pytree
   registration (with named keys), immutability, equality, `scale`, `unscale`
   and serialization.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_lossscale import DynamicLossScale, LossScale
+    >>> ls = DynamicLossScale(2**10)
+    >>> isinstance(ls, LossScale), ls.dynamic
+    (True, True)
+    >>> ls.unscale(ls.scale({'w': jnp.float16(0.5)}))
+    {'w': Array(0.5, dtype=float16)}
+    >>> [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(ls)]
+    ['.loss_scale', '.counter', '.hysteresis_tracker']
   """
 
   _state_fields: ClassVar[tuple[str, ...]] = ()
@@ -494,6 +505,12 @@ class DynamicLossScale(LossScale):
 
     Use it when the finiteness flag is already known (for example computed
     once for several loss scales, or reduced across devices by hand).
+
+    Example:
+      >>> from optax_lossscale import DynamicLossScale
+      >>> ls = DynamicLossScale(2**10, increment_period=1)
+      >>> float(ls.adjust(True)()), float(ls.adjust(False)())
+      (2048.0, 512.0)
     """
     finite = jnp.asarray(grads_finite, jnp.bool_)
     scale = jnp.asarray(self.loss_scale, jnp.float32)
