@@ -555,6 +555,12 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
   Only hyper-parameters are serialized (as TensorFlow does); the current
   scale and counters are state and belong in a checkpoint.
 
+  Args:
+    loss_scale: any `LossScale`.
+
+  Returns:
+    A dict with the class name and `loss_scale.get_config()`.
+
   Example:
     >>> from optax_lossscale import FixedLossScale, serialize
     >>> serialize(FixedLossScale(8))
@@ -567,6 +573,12 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
 
 def deserialize(config: dict[str, Any]) -> LossScale:
   """Rebuilds a loss scale from `serialize()`'s output.
+
+  Args:
+    config: a dict `{'class_name': ..., 'config': ...}` as `serialize` returns.
+
+  Returns:
+    A fresh `LossScale` of that class and configuration (initial state).
 
   Example:
     >>> from optax_lossscale import DynamicLossScale, deserialize, serialize
