@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import pathlib
-import re
 import sys
 
 import numpy as np
@@ -50,16 +49,17 @@ def test_table_prints_the_numbers_of_the_run(demo_run):
   table = demo.format_table(results)
   for result in results:
     row = next(line for line in table.splitlines() if line.startswith(result.name + "  "))
-    numbers = re.findall(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?", row[len(result.name) :])
-    final_loss, accuracy, skipped, scale = map(float, numbers[:4])
-    assert final_loss == pytest.approx(result.final_loss, abs=1e-5)
-    assert accuracy == pytest.approx(100 * result.test_accuracy, abs=0.05)
-    assert skipped == len(result.skipped_steps)
-    assert scale == pytest.approx(result.final_loss_scale, rel=1e-5)
+    final_loss, accuracy, skipped, scale, underflow = row[len(result.name) :].split()
+    assert float(final_loss) == pytest.approx(result.final_loss, abs=1e-5)
+    assert float(accuracy.rstrip("%")) == pytest.approx(100 * result.test_accuracy, abs=0.05)
+    assert int(skipped) == len(result.skipped_steps)
+    base, _, exponent = scale.partition("^")
+    scale = 2.0 ** int(exponent) if exponent else float(base)
+    assert scale == result.final_loss_scale
     if result.mean_underflow is None:
-      assert row.rstrip().endswith("n/a")
+      assert underflow == "n/a"
     else:
-      assert float(numbers[4]) == pytest.approx(100 * result.mean_underflow, abs=0.05)
+      assert float(underflow.rstrip("%")) == pytest.approx(100 * result.mean_underflow, abs=0.05)
 
 
 def test_unscaled_float16_loses_gradients_and_scaled_tracks_float32(demo_run):

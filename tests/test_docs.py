@@ -22,9 +22,7 @@ def test_public_name_has_summary_and_example(name):
   assert "Example:" in doc and ">>> " in doc, f"{name} has no runnable Example"
 
 
-@pytest.mark.parametrize(
-  "name", [n for n in ols.__all__ if inspect.isfunction(getattr(ols, n))]
-)
+@pytest.mark.parametrize("name", [n for n in ols.__all__ if inspect.isfunction(getattr(ols, n))])
 def test_public_function_documents_args_and_returns(name):
   function = getattr(ols, name)
   doc = inspect.getdoc(function)
