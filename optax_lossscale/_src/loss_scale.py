@@ -68,6 +68,17 @@ class LossScale(abc.ABC):
   hyper-parameters in `_config_fields`; this base class provides the pytree
   registration (with named keys), immutability, equality, `scale`, `unscale`
   and serialization.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_lossscale import DynamicLossScale, LossScale
+    >>> ls = DynamicLossScale(2**10)
+    >>> isinstance(ls, LossScale), ls.dynamic
+    (True, True)
+    >>> ls.unscale(ls.scale({'w': jnp.float16(0.5)}))
+    {'w': Array(0.5, dtype=float16)}
+    >>> [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(ls)]
+    ['.loss_scale', '.counter', '.hysteresis_tracker']
   """
 
   _state_fields: ClassVar[tuple[str, ...]] = ()
@@ -506,6 +517,12 @@ class DynamicLossScale(LossScale):
 
     Use it when the finiteness flag is already known (for example computed
     once for several loss scales, or reduced across devices by hand).
+
+    Example:
+      >>> from optax_lossscale import DynamicLossScale
+      >>> ls = DynamicLossScale(2**10, increment_period=1)
+      >>> float(ls.adjust(True)()), float(ls.adjust(False)())
+      (2048.0, 512.0)
     """
     finite = jnp.asarray(grads_finite, jnp.bool_)
     scale = jnp.asarray(self.loss_scale, jnp.float32)
@@ -547,6 +564,12 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
   Only hyper-parameters are serialized (as TensorFlow does); the current
   scale and counters are state and belong in a checkpoint.
 
+  Args:
+    loss_scale: any `LossScale`.
+
+  Returns:
+    A dict with the class name and `loss_scale.get_config()`.
+
   Example:
     >>> from optax_lossscale import FixedLossScale, serialize
     >>> serialize(FixedLossScale(8))
@@ -559,6 +582,12 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
 
 def deserialize(config: dict[str, Any]) -> LossScale:
   """Rebuilds a loss scale from `serialize()`'s output.
+
+  Args:
+    config: a dict `{'class_name': ..., 'config': ...}` as `serialize` returns.
+
+  Returns:
+    A fresh `LossScale` of that class and configuration (initial state).
 
   Example:
     >>> from optax_lossscale import DynamicLossScale, deserialize, serialize

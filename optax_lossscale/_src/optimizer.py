@@ -39,6 +39,17 @@ class LossScaleOptimizerState(NamedTuple):
     nonfinite_leaves: None, or with `record_nonfinite_leaves=True` a tree
       shaped like the parameters holding one bool scalar per leaf: whether
       that leaf's gradient held NaN/Inf on the last skipped step.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.loss_scale_optimizer(optax.sgd(0.1))
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> isinstance(state, ols.LossScaleOptimizerState)
+    True
+    >>> _, state = tx.update({'w': jnp.full(2, jnp.nan)}, state)
+    >>> bool(state.last_step_applied), int(state.total_skips), float(state.loss_scale())
+    (False, 1, 16384.0)
   """
 
   inner_state: optax.OptState
@@ -54,6 +65,15 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
   It is still the `(init, update)` pair that optax, Flax and `optax.chain`
   expect; the extra read-only attributes mirror Keras's `LossScaleOptimizer`.
+
+  Example:
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.loss_scale_optimizer(optax.adam(1e-3), dynamic_growth_steps=100)
+    >>> isinstance(tx, optax.GradientTransformation), tx.dynamic
+    (True, True)
+    >>> tx.initial_scale, tx.dynamic_growth_steps, tx.skip_mode
+    (32768.0, 100, 'cond')
   """
 
   # Instances carry a __dict__ for the Keras-style attributes below; the tuple

@@ -91,6 +91,12 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
   `inject_hyperparams`, and accepts a Flax `TrainState` or `nnx.Optimizer`
   (returning plain arrays); a `LossScale` passed directly is returned as is.
 
+  Args:
+    opt_state: an optax state holding exactly one `LossScaleOptimizerState`.
+
+  Returns:
+    The current `LossScale`; call it for the scale as a float32 scalar.
+
   Example:
     >>> import jax.numpy as jnp, optax
     >>> import optax_lossscale as ols
@@ -108,6 +114,13 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
 def get_scaled_loss(loss: Any, opt_state: Any) -> Any:
   """Multiplies `loss` by the current loss scale found in `opt_state`.
 
+  Args:
+    loss: the loss (or any pytree of floating arrays) to scale.
+    opt_state: the state of a `loss_scale_optimizer`, possibly nested.
+
+  Returns:
+    `loss` times the current scale, in `loss`'s dtype.
+
   Example:
     >>> import jax.numpy as jnp, optax
     >>> import optax_lossscale as ols
@@ -121,7 +134,15 @@ def get_scaled_loss(loss: Any, opt_state: Any) -> Any:
 def get_unscaled_gradients(grads: Any, opt_state: Any) -> Any:
   """Divides `grads` by the current loss scale found in `opt_state`.
 
-  `None` leaves stay `None`; non-float leaves pass through.
+  `None` leaves stay `None`; non-float leaves pass through. Only needed when
+  the gradients are used outside the wrapper (which unscales by itself).
+
+  Args:
+    grads: gradients of the scaled loss, any pytree.
+    opt_state: the state of a `loss_scale_optimizer`, possibly nested.
+
+  Returns:
+    `grads` divided by the current scale, each leaf in its own dtype.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -142,6 +163,12 @@ def metrics(opt_state: Any) -> dict[str, Any]:
   `record_nonfinite_leaves=True` there is one more key, `nonfinite_leaves`:
   a dict from each parameter leaf's path (`jax.tree_util.keystr`) to a bool
   scalar, True if that leaf's gradient held NaN/Inf on the last skipped step.
+
+  Args:
+    opt_state: the state of a `loss_scale_optimizer`, possibly nested.
+
+  Returns:
+    A dict of four scalar arrays.
 
   Example:
     >>> import jax.numpy as jnp, optax
