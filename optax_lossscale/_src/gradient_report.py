@@ -59,6 +59,13 @@ class LeafStats:
     max_abs: the largest finite magnitude (float32, or the leaf's dtype if wider).
     dtype: the leaf's dtype name.
     shape: the leaf's shape.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> stats = ols.gradient_report([jnp.array([-jnp.inf, 1e-9, 3.0])]).leaves['[0]']
+    >>> int(stats.neginf), int(stats.underflow), float(stats.max_abs), stats.shape
+    (1, 1, 3.0, (3,))
   """
 
   nan: jax.Array
@@ -96,6 +103,13 @@ class GradientReport:
   Attributes:
     leaves: `LeafStats` by pytree path (`jax.tree_util.keystr`), in tree order.
     target_dtype: the dtype name the underflow/subnormal/overflow counts refer to.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> report = jax.jit(ols.gradient_report)({'w': jnp.array([jnp.nan, 1.0])})
+    >>> report.target_dtype, list(report.leaves), report.nonfinite_paths()
+    ('float16', ["['w']"], ["['w']"])
   """
 
   leaves: dict[str, LeafStats]

@@ -45,7 +45,25 @@ GuardFn = Callable[[loss_scale_lib.LossScale, jax.Array, jax.Array, Any], jax.Ar
 
 
 class OverflowGuardError(FloatingPointError):
-  """Raised (through the training step) when loss scaling cannot recover."""
+  """Raised (through the training step) when loss scaling cannot recover.
+
+  Under `jit` jax re-raises it from the host callback, as a
+  `jax.errors.JaxRuntimeError` or `ValueError` whose message holds this
+  error's text: catch those and look for `OverflowGuardError` in the message.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.loss_scale_optimizer(optax.sgd(0.1), max_consecutive_skips=1)
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> nan = {'w': jnp.array([jnp.nan, 1.0])}
+    >>> _, state = tx.update(nan, state)  # one skip is tolerated
+    >>> try:
+    ...   tx.update(nan, state)
+    ... except Exception as e:
+    ...   print('OverflowGuardError' in str(e))
+    True
+  """
 
 
 def _is_none(x: Any) -> bool:

@@ -46,6 +46,13 @@ class ScaleAdvice(NamedTuple):
     subnormal_after: the same share at the suggested scale.
     num_values: the nonzero finite values the shares are taken over.
     num_nonfinite: NaN and Inf values in the sample; they are ignored.
+
+  Example:
+    >>> import numpy as np
+    >>> import optax_lossscale as ols
+    >>> advice = ols.suggest_loss_scale([np.array([2.0, 1e-9, np.nan], np.float32)])
+    >>> advice.scale, advice.max_abs, advice.num_nonfinite
+    (2048.0, 2.0, 1)
   """
 
   scale: float
