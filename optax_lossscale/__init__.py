@@ -1,5 +1,6 @@
 """optax_lossscale: mixed-precision loss scaling for JAX, the optax way."""
 
+from optax_lossscale._src.dynamic_loss_scale import DynamicLossScale
 from optax_lossscale._src.grad import value_and_grad
 from optax_lossscale._src.gradient_report import (
   GradientReport,
@@ -7,15 +8,7 @@ from optax_lossscale._src.gradient_report import (
   format_gradient_report,
   gradient_report,
 )
-from optax_lossscale._src.loss_scale import (
-  DynamicLossScale,
-  FixedLossScale,
-  LossScale,
-  NoOpLossScale,
-  deserialize,
-  get,
-  serialize,
-)
+from optax_lossscale._src.loss_scale import FixedLossScale, LossScale, NoOpLossScale
 from optax_lossscale._src.optimizer import (
   LossScaleOptimizer,
   LossScaleOptimizerState,
@@ -23,6 +16,7 @@ from optax_lossscale._src.optimizer import (
 )
 from optax_lossscale._src.overflow_guard import OverflowGuardError
 from optax_lossscale._src.scale_advisor import ScaleAdvice, suggest_loss_scale
+from optax_lossscale._src.serialization import deserialize, get, serialize
 from optax_lossscale._src.state_access import (
   get_loss_scale,
   get_scaled_loss,

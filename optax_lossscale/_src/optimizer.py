@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_lossscale._src import dynamic_loss_scale, overflow_guard, serialization, tree_utils
 from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src import overflow_guard, tree_utils
 
 SkipMode = Literal["auto", "cond", "select"]
 _SKIP_MODES = ("auto", "cond", "select")
@@ -103,7 +103,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   def dynamic_growth_steps(self) -> int | None:
     """Finite steps between growths, or None when the scale is not dynamic."""
     ls = self.initial_loss_scale
-    return ls.increment_period if isinstance(ls, loss_scale_lib.DynamicLossScale) else None
+    return ls.increment_period if isinstance(ls, dynamic_loss_scale.DynamicLossScale) else None
 
   @property
   def skip_mode(self) -> SkipMode:
@@ -122,7 +122,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     """
     axis_name = self.axis_name
     return {
-      "loss_scale": loss_scale_lib.serialize(self.initial_loss_scale),
+      "loss_scale": serialization.serialize(self.initial_loss_scale),
       "dynamic": self.dynamic,
       "initial_scale": self.initial_scale,
       "dynamic_growth_steps": self.dynamic_growth_steps,
@@ -144,7 +144,7 @@ def _resolve_loss_scale(
   """Turns either of Keras's argument forms into a `LossScale`."""
   keyword_form = (dynamic, initial_scale, dynamic_growth_steps) != (None, None, None)
   if not keyword_form:
-    return loss_scale_lib.get(loss_scale)
+    return serialization.get(loss_scale)
   if not (isinstance(loss_scale, str) and loss_scale == "dynamic"):
     raise ValueError(
       "Pass either loss_scale= or the keyword form (dynamic=, initial_scale=,"
@@ -155,7 +155,7 @@ def _resolve_loss_scale(
   if not isinstance(dynamic, bool):
     raise TypeError(f"dynamic must be a bool; got {dynamic!r}.")
   if dynamic:
-    return loss_scale_lib.DynamicLossScale(
+    return dynamic_loss_scale.DynamicLossScale(
       initial_loss_scale=_DEFAULT_INITIAL_SCALE if initial_scale is None else initial_scale,
       increment_period=(
         _DEFAULT_GROWTH_STEPS if dynamic_growth_steps is None else dynamic_growth_steps

@@ -1,0 +1,1 @@
+"""Implementation modules; the public API is `optax_lossscale`."""

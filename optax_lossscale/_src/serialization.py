@@ -1,0 +1,93 @@
+"""Keras-style identifiers and configs for loss scales: `get`, `serialize`, `deserialize`."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from optax_lossscale._src.dynamic_loss_scale import DynamicLossScale
+from optax_lossscale._src.loss_scale import FixedLossScale, LossScale
+
+_ACCEPTED_FORMS = (
+  "'dynamic', a number >= 1 (a FixedLossScale), a LossScale instance, or a"
+  " dict {'class_name': ..., 'config': ...} from serialize()"
+)
+
+
+def serialize(loss_scale: LossScale) -> dict[str, Any]:
+  """Returns `{'class_name': ..., 'config': ...}`, a JSON-serializable dict.
+
+  Only hyper-parameters are serialized (as TensorFlow does); the current
+  scale and counters are state and belong in a checkpoint.
+
+  Args:
+    loss_scale: any `LossScale`.
+
+  Returns:
+    A dict with the class name and `loss_scale.get_config()`.
+
+  Example:
+    >>> from optax_lossscale import FixedLossScale, serialize
+    >>> serialize(FixedLossScale(8))
+    {'class_name': 'FixedLossScale', 'config': {'loss_scale_value': 8.0}}
+  """
+  if not isinstance(loss_scale, LossScale):
+    raise TypeError(f"serialize expects a LossScale; got {type(loss_scale).__name__}.")
+  return {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
+
+
+def deserialize(config: dict[str, Any]) -> LossScale:
+  """Rebuilds a loss scale from `serialize()`'s output.
+
+  Args:
+    config: a dict `{'class_name': ..., 'config': ...}` as `serialize` returns.
+
+  Returns:
+    A fresh `LossScale` of that class and configuration (initial state).
+
+  Example:
+    >>> from optax_lossscale import DynamicLossScale, deserialize, serialize
+    >>> deserialize(serialize(DynamicLossScale(1024))) == DynamicLossScale(1024)
+    True
+  """
+  if not isinstance(config, dict) or set(config) != {"class_name", "config"}:
+    raise ValueError(
+      f"deserialize expects a dict with exactly the keys 'class_name' and 'config'; got {config!r}."
+    )
+  cls = LossScale._registry.get(config["class_name"])
+  if cls is None:
+    raise ValueError(
+      f"Unknown loss scale class_name {config['class_name']!r}; known:"
+      f" {sorted(LossScale._registry)}."
+    )
+  return cls.from_config(dict(config["config"]))
+
+
+def get(identifier: Any) -> LossScale:
+  """Returns the loss scale an identifier names, as Keras's `loss_scale=` does.
+
+  Args:
+    identifier: `'dynamic'` (a default `DynamicLossScale`), a number (a
+      `FixedLossScale` of that value), a `LossScale` (returned as is), or a
+      dict produced by `serialize`.
+
+  Returns:
+    A `LossScale`.
+
+  Example:
+    >>> from optax_lossscale import get
+    >>> get('dynamic')().item(), get(256)().item()
+    (32768.0, 256.0)
+  """
+  if isinstance(identifier, LossScale):
+    return identifier
+  if isinstance(identifier, str):
+    if identifier == "dynamic":
+      return DynamicLossScale()
+  elif isinstance(identifier, dict):
+    return deserialize(identifier)
+  elif isinstance(identifier, numbers.Real) and not isinstance(identifier, (bool, np.bool_)):
+    return FixedLossScale(identifier)
+  raise ValueError(f"Cannot interpret {identifier!r} as a loss scale; accepted: {_ACCEPTED_FORMS}.")

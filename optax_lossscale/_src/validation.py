@@ -1,0 +1,53 @@
+"""Early, explicit validation of hyper-parameters, shared by the loss scales.
+
+Errors are raised at construction, name the argument, and say what was given
+and what is accepted: never a traced failure deep inside `jit`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def check_float(
+  name: str,
+  value: Any,
+  *,
+  low: float,
+  low_inclusive: bool,
+  high: float = math.inf,
+  high_inclusive: bool = True,
+  accepted: str,
+) -> float:
+  """Converts a concrete number to float and checks its range, or raises."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (numbers.Real, np.ndarray, jax.Array)
+  ):
+    raise ValueError(f"{name} must be {accepted}; got {value!r}.")
+  try:
+    number = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(f"{name} must be a concrete number ({accepted}); got {value!r}.") from e
+  above = number >= low if low_inclusive else number > low
+  below = number <= high if high_inclusive else number < high
+  if not (math.isfinite(number) and above and below):
+    raise ValueError(f"{name} must be {accepted}; got {value!r}.")
+  return number
+
+
+def check_int(name: str, value: Any, *, low: int, accepted: str) -> int:
+  """Checks that `value` is an integer in [low, int32 max] and returns it."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise ValueError(f"{name} must be {accepted}; got {value!r}.")
+  number = int(value)
+  if not low <= number <= INT32_MAX:
+    raise ValueError(f"{name} must be {accepted}; got {value!r}.")
+  return number
