@@ -146,3 +146,20 @@ def test_all_finite_agrees_with_elementwise_check(dtype, bad):
   expected = bool(np.all(np.isfinite(np.asarray(x))))
   assert bool(ols.all_finite(tree)) is expected
   assert bool(jax.jit(ols.all_finite)(tree)) is expected
+
+
+def test_copy_detector_sees_the_copies_of_a_select_over_the_state():
+  # Guards the detector above against passing vacuously: selecting over
+  # (params, opt_state), as the jmp and Flax recipes do, copies the moments.
+  tx = optax.adam(1e-3)
+
+  def step(params, state, grads):
+    finite = ols.all_finite(grads)
+    updates, new_state = tx.update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    return ols.select_tree(finite, (new_params, new_state), (params, state))
+
+  params = _params()
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  hlo = jitted.lower(params, tx.init(params), _grads()).compile().as_text()
+  assert len(_data_copies(hlo)) >= len(BIG)
