@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= dev,flax,bench
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench bench-quick clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -25,6 +25,13 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# The loss-scaling benchmark (under 10 minutes on 2 cores); ARGS=--quick for a CI-size run.
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run $(ARGS)
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m benchmarks.run --quick
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

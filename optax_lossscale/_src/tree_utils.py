@@ -64,6 +64,15 @@ def normalize_axis_name(axis_name: AxisName) -> Hashable | tuple[Hashable, ...] 
   return axis_name
 
 
+def _leaf_all_finite(x: jax.Array) -> jax.Array:
+  """Whether every element of the non-empty array `x` is finite, as a bool scalar."""
+  # A min over uint8 flags rather than `jnp.all`: XLA:CPU lowers the bool
+  # and-reduction to extra reduce-window passes, and this check reads every
+  # gradient each step (BENCHMARKS.md: about 2.5x faster on CPU). Integer min
+  # has no NaN semantics to get wrong, unlike a max over |x|.
+  return jnp.min(jnp.isfinite(x).astype(jnp.uint8)) == 1
+
+
 def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   """Returns a scalar bool array: True iff every inexact leaf is finite.
 
@@ -89,8 +98,8 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
     False
   """
   axis_name = normalize_axis_name(axis_name)
-  leaves = [x for x in jax.tree.leaves(tree) if is_inexact(x)]
-  per_leaf = [jnp.all(jnp.isfinite(x)) for x in leaves]
+  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_inexact(x)]
+  per_leaf = [_leaf_all_finite(x) for x in leaves if x.size]
   finite = functools.reduce(jnp.logical_and, per_leaf, jnp.asarray(True))
   if axis_name is not None:
     # One all-reduce of a scalar: the minimum is 1 only if every shard is finite.

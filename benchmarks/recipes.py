@@ -1,0 +1,156 @@
+"""The loss-scaling recipes compared by the benchmark, each as `(init, step)`.
+
+Every recipe trains the same `loss_fn(params, batch)` (or, in the
+optimizer-only workload, takes the gradients from the batch) with the same inner
+optimizer and returns `step(params, state, batch) -> (params, state)`, to be
+jitted with `params` and `state` donated. Each is written the way its library
+documents it, so the comparison measures the recipe, not our rewrite of it:
+
+* `bare`: plain optax, no loss scaling; the baseline of every ratio.
+* `ols_*`: `optax_lossscale.loss_scale_optimizer` with a given `skip_mode`.
+* `jmp`: jmp's README recipe: scale the loss, unscale the gradients,
+  `jmp.all_finite`, `adjust`, then `jmp.select_tree` over params and state.
+* `flax`: `flax.training.dynamic_scale.DynamicScale.value_and_grad`, then
+  `jnp.where(is_fin, new, old)` over params and optimizer state, as in Flax's
+  examples.
+* `apply_if_finite`: `optax.apply_if_finite` around the inner optimizer, fed
+  gradients of the loss scaled by a fixed 2**15 (kept in the state) and
+  divided back; it skips non-finite steps but cannot adjust a scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from benchmarks import workloads
+import optax_lossscale as ols
+
+LossFn = Callable[[Any, Any], jax.Array] | None
+
+
+def _grads(loss_fn: LossFn | None, params: Any, batch: Any) -> Any:
+  """Gradients of the unscaled loss (given in the optimizer-only workload)."""
+  if loss_fn is workloads.GIVEN_GRADIENTS:
+    return batch["grads"]
+  return jax.grad(loss_fn)(params, batch)
+
+
+def _scaled_grads(
+  loss_fn: LossFn | None, params: Any, batch: Any, scale_loss: Callable[[jax.Array], jax.Array]
+) -> Any:
+  """Gradients of the scaled loss (given in the optimizer-only workload)."""
+  if loss_fn is workloads.GIVEN_GRADIENTS:
+    return batch["scaled"]
+  return jax.grad(lambda p: scale_loss(loss_fn(p, batch)))(params)
+
+
+class Recipe(NamedTuple):
+  init: Callable[[Any], Any]
+  step: Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+def bare(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
+  def step(params, state, batch):
+    grads = _grads(loss_fn, params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return Recipe(tx.init, step)
+
+
+def optax_lossscale(tx: optax.GradientTransformation, loss_fn: LossFn, skip_mode: str) -> Recipe:
+  opt = ols.loss_scale_optimizer(tx, skip_mode=skip_mode)
+
+  def step(params, state, batch):
+    grads = _scaled_grads(loss_fn, params, batch, lambda loss: ols.get_scaled_loss(loss, state))
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return Recipe(opt.init, step)
+
+
+def jmp_recipe(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
+  import jmp  # an optional dependency of the benchmark only
+
+  # jmp 0.0.4's DynamicLossScale validates its leaves in __post_init__, which
+  # fails when `jit(...).lower` rebuilds it with placeholder leaves; so the
+  # state carries its two arrays and the step rebuilds jmp's object from them.
+  def init(params):
+    return tx.init(params), (jnp.asarray(2.0**15, jnp.float32), jnp.zeros((), jnp.int32))
+
+  def step(params, state, batch):
+    opt_state, (scale, counter) = state
+    loss_scale = jmp.DynamicLossScale(scale, counter)
+    grads = _scaled_grads(loss_fn, params, batch, loss_scale.scale)
+    grads = loss_scale.unscale(grads)
+    grads_finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(grads_finite)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = jmp.select_tree(
+      grads_finite, (new_params, new_opt_state), (params, opt_state)
+    )
+    return params, (opt_state, (loss_scale.loss_scale, loss_scale.counter))
+
+  return Recipe(init, step)
+
+
+def flax_recipe(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
+  from flax.training.dynamic_scale import DynamicScale
+
+  def init(params):
+    return tx.init(params), DynamicScale()
+
+  def step(params, state, batch):
+    opt_state, dynamic_scale = state
+    if loss_fn is workloads.GIVEN_GRADIENTS:
+      value_and_grad = dynamic_scale.value_and_grad(workloads.linear_loss)
+      dynamic_scale, is_fin, _, grads = value_and_grad(params, batch["grads"])
+    else:
+      value_and_grad = dynamic_scale.value_and_grad(loss_fn)
+      dynamic_scale, is_fin, _, grads = value_and_grad(params, batch)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = functools.partial(jnp.where, is_fin)
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    return params, (opt_state, dynamic_scale)
+
+  return Recipe(init, step)
+
+
+def apply_if_finite(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
+  # A huge limit: the benchmark's skipped steps must stay skipped.
+  opt = optax.apply_if_finite(tx, max_consecutive_errors=2**30)
+
+  # The fixed scale lives in the state, as a loss scale would: a Python
+  # constant would let XLA cancel `(x * s) / s` in the optimizer-only workload.
+  def init(params):
+    return opt.init(params), jnp.asarray(2.0**15, jnp.float32)
+
+  def step(params, state, batch):
+    opt_state, scale = state
+    grads = _scaled_grads(loss_fn, params, batch, lambda loss: loss * scale)
+    grads = jax.tree.map(lambda g: g / scale, grads)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), (opt_state, scale)
+
+  return Recipe(init, step)
+
+
+VARIANTS: dict[str, Callable[[optax.GradientTransformation, LossFn], Recipe]] = {
+  "bare optax": bare,
+  "ols cond": functools.partial(optax_lossscale, skip_mode="cond"),
+  "ols select": functools.partial(optax_lossscale, skip_mode="select"),
+  "ols auto": functools.partial(optax_lossscale, skip_mode="auto"),
+  "jmp recipe": jmp_recipe,
+  "flax DynamicScale": flax_recipe,
+  "optax.apply_if_finite": apply_if_finite,
+}
+BASELINE = "bare optax"

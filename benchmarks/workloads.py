@@ -1,0 +1,143 @@
+"""The benchmark's workloads: parameters, a batch and a loss for each.
+
+* `optimizer_only(n)`: about `n` float32 parameters in four matrices and four
+  biases; the batch *is* the gradient, as buffers (unscaled for bare optax,
+  scaled by 2**15 for the loss-scaling recipes), so what is timed is the
+  update, the unscale, the check and the skip. Flax's `DynamicScale` only
+  offers `value_and_grad`, so it differentiates `linear_loss`, whose gradient
+  is the given one and which XLA reduces to a multiply fused into the unscale.
+* `mlp()`, `transformer_lm()`: Flax models computing in float16 from float32
+  master parameters, trained with softmax cross-entropy computed in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+COMPUTE_DTYPE = jnp.float16
+
+
+class Workload(NamedTuple):
+  name: str
+  params: Any
+  batch: Any
+  loss_fn: Any
+  description: str
+
+
+def num_params(params: Any) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def linear_loss(params: Any, grads: Any) -> jax.Array:
+  """`sum(params * grads)`: its gradient with respect to params is `grads`."""
+  leaves = zip(jax.tree.leaves(params), jax.tree.leaves(grads), strict=True)
+  return sum(jnp.sum(p * g) for p, g in leaves)
+
+
+# The loss_fn of the optimizer-only workload: the batch holds the gradients
+# themselves, {'grads': g, 'scaled': g * SCALE}, as buffers, the way a backward
+# pass leaves them.
+GIVEN_GRADIENTS = None
+SCALE = 2.0**15
+
+
+def optimizer_only(n: int, *, seed: int = 0, inject_nan: bool = False) -> Workload:
+  """Adam on ~n parameters; with `inject_nan`, one gradient element is NaN."""
+  width = 1024
+  rows = max(n // 4 // width, 1)
+  rng = np.random.default_rng(seed)
+  params, grads = {}, {}
+  for i in range(4):
+    params[f"w{i}"] = jnp.asarray(rng.standard_normal((rows, width), np.float32) * 0.02)
+    params[f"b{i}"] = jnp.zeros((width,), jnp.float32)
+    grads[f"w{i}"] = jnp.asarray(rng.standard_normal((rows, width), np.float32) * 1e-3)
+    grads[f"b{i}"] = jnp.asarray(rng.standard_normal((width,), np.float32) * 1e-3)
+  if inject_nan:
+    grads["w2"] = grads["w2"].at[rows // 2, 7].set(jnp.nan)
+  batch = {"grads": grads, "scaled": jax.tree.map(lambda g: g * SCALE, grads)}
+  name = f"adam_{_size_label(num_params(params))}" + ("_nan" if inject_nan else "")
+  return Workload(name, params, batch, GIVEN_GRADIENTS, "optimizer update only (Adam)")
+
+
+def _size_label(n: int) -> str:
+  return f"{n / 2**20:.0f}M" if n >= 2**20 else f"{n / 2**10:.0f}K"
+
+
+def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  logits = logits.astype(jnp.float32)
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  return jnp.mean(logz - picked)
+
+
+def mlp(*, width: int = 1024, depth: int = 4, batch: int = 64, classes: int = 16) -> Workload:
+  import flax.linen as nn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+      for _ in range(depth):
+        x = nn.relu(nn.Dense(width, dtype=COMPUTE_DTYPE)(x))
+      return nn.Dense(classes, dtype=COMPUTE_DTYPE)(x)
+
+  model = MLP()
+  key_x, key_y, key_init = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(key_x, (batch, width), COMPUTE_DTYPE)
+  y = jax.random.randint(key_y, (batch,), 0, classes)
+  params = model.init(key_init, x)["params"]
+
+  def loss_fn(params: Any, data: Any) -> jax.Array:
+    inputs, labels = data
+    return _cross_entropy(model.apply({"params": params}, inputs), labels)
+
+  desc = f"MLP {depth}x{width}, batch {batch}, float16 compute"
+  return Workload(f"mlp_{_size_label(num_params(params))}", params, (x, y), loss_fn, desc)
+
+
+def transformer_lm(
+  *,
+  vocab: int = 512,
+  d_model: int = 256,
+  heads: int = 4,
+  layers: int = 4,
+  seq: int = 64,
+  batch: int = 8,
+) -> Workload:
+  import flax.linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+      h = nn.LayerNorm(dtype=COMPUTE_DTYPE)(x)
+      h = nn.MultiHeadDotProductAttention(num_heads=heads, dtype=COMPUTE_DTYPE)(h, h, mask=mask)
+      x = x + h
+      h = nn.LayerNorm(dtype=COMPUTE_DTYPE)(x)
+      h = nn.gelu(nn.Dense(4 * d_model, dtype=COMPUTE_DTYPE)(h))
+      return x + nn.Dense(d_model, dtype=COMPUTE_DTYPE)(h)
+
+  class LM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+      embed = nn.Embed(vocab, d_model, dtype=COMPUTE_DTYPE)
+      pos = self.param("pos", nn.initializers.normal(0.02), (seq, d_model))
+      x = embed(tokens) + pos.astype(COMPUTE_DTYPE)
+      mask = nn.make_causal_mask(tokens)
+      for _ in range(layers):
+        x = Block()(x, mask)
+      return embed.attend(nn.LayerNorm(dtype=COMPUTE_DTYPE)(x))
+
+  model = LM()
+  tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, vocab)
+  params = model.init(jax.random.key(2), tokens[:, :-1])["params"]
+
+  def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    return _cross_entropy(logits, tokens[:, 1:])
+
+  desc = f"Transformer LM {layers}x{d_model}, {heads} heads, {batch}x{seq} tokens, float16 compute"
+  return Workload(f"lm_{_size_label(num_params(params))}", params, tokens, loss_fn, desc)

@@ -1,0 +1,167 @@
+"""Properties of the compiled train step that must hold on every run.
+
+These read the optimized HLO and the executable of a jitted, donated step, so
+they are deterministic (no timing): the wrapper adds no full-size copies over
+bare optax, no host transfer, keeps donation working, and allocates no
+temporaries beyond the updates and the unscaled gradients. BENCHMARKS.md has
+the timings.
+"""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_lossscale as ols
+
+SHAPES = {"w": (64, 128), "v": (128, 96), "b": (96,)}
+BIG = {s for s in SHAPES.values() if np.prod(s) >= 4096}
+PARAM_BYTES = sum(4 * int(np.prod(s)) for s in SHAPES.values())
+
+
+def _params():
+  rng = np.random.default_rng(0)
+  return {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
+
+
+def _grads(poison=False):
+  rng = np.random.default_rng(1)
+  grads = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
+  if poison:
+    grads["v"] = grads["v"].at[3, 4].set(jnp.inf)
+  return grads
+
+
+def _step(tx):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _compiled(tx):
+  params = _params()
+  return _step(tx).lower(params, tx.init(params), _grads()).compile()
+
+
+def _data_copies(hlo):
+  """Copies of full-size arrays, except copies of a broadcast constant (fills)."""
+  found = []
+  for m in re.finditer(r"= \w+\[([\d,]*)\]\{[^}]*\} copy\((?:[^%)]*)%([\w.\-]+)\)", hlo):
+    dims = tuple(int(d) for d in m[1].split(",") if d)
+    if dims in BIG and "broadcast" not in m[2]:
+      found.append(m[0])
+  return found
+
+
+def _host_ops(hlo):
+  pattern = (
+    r"\b(send|recv|send-done|recv-done|infeed|outfeed)\(|is_host_transfer=true"
+    r"|custom_call_target=\"[^\"]*(callback|host)[^\"]*\""
+  )
+  return [m[0] for m in re.finditer(pattern, hlo, re.IGNORECASE)]
+
+
+WRAPPED = {
+  "cond": lambda: ols.loss_scale_optimizer(optax.adam(1e-3), skip_mode="cond"),
+  "auto": lambda: ols.loss_scale_optimizer(optax.adam(1e-3), skip_mode="auto"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(WRAPPED))
+def test_no_extra_full_size_copies_over_bare_optax(mode):
+  bare = _data_copies(_compiled(optax.adam(1e-3)).as_text())
+  wrapped = _data_copies(_compiled(WRAPPED[mode]()).as_text())
+  assert len(wrapped) <= len(bare), wrapped
+
+
+@pytest.mark.parametrize("mode", ["cond", "select", "auto"])
+def test_no_host_transfer_in_the_step(mode):
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3), skip_mode=mode)
+  assert _host_ops(_compiled(tx).as_text()) == []
+
+
+def test_auto_is_a_conditional_on_cpu():
+  tx = WRAPPED["auto"]()
+  assert tx.skip_mode == "cond"
+  assert " conditional(" in _compiled(tx).as_text()
+
+
+def test_temporaries_are_at_most_the_updates_and_the_unscaled_gradients():
+  # The cond's outputs (the updates) must exist as a buffer, and its operand
+  # may be the unscaled gradients; anything more (a copy of the moments, the
+  # gradients materialized twice) would exceed two parameter sets.
+  bare = _compiled(optax.adam(1e-3)).memory_analysis().temp_size_in_bytes
+  wrapped = _compiled(WRAPPED["cond"]()).memory_analysis().temp_size_in_bytes
+  assert wrapped <= bare + 2 * PARAM_BYTES + 4096
+
+
+def test_donation_aliases_every_param_and_moment():
+  tx = WRAPPED["cond"]()
+  header = _compiled(tx).as_text().split("\n", 1)[0]
+  aliased = re.findall(r"\{[\d,\s]*\}: \((\d+), \{[\d,\s]*\}, (?:may|must)-alias\)", header)
+  params = _params()
+  flat_inputs = jax.tree.leaves((params, tx.init(params)))
+  big_inputs = {i for i, x in enumerate(flat_inputs) if x.shape in BIG}
+  # Params, mu and nu of both big leaves are updated in place.
+  assert len(big_inputs) == 3 * len(BIG)
+  assert big_inputs <= {int(i) for i in aliased}
+
+
+@pytest.mark.parametrize("poison", [False, True], ids=["taken", "skipped"])
+def test_donated_buffers_are_consumed_and_skip_keeps_values(poison):
+  tx = WRAPPED["cond"]()
+  params = _params()
+  state = tx.init(params)
+  expected_params = jax.tree.map(np.array, params)
+  expected_inner = jax.tree.map(np.array, state.inner_state)
+  new_params, new_state = _step(tx)(params, state, _grads(poison))
+  assert all(x.is_deleted() for x in jax.tree.leaves(params))
+  assert all(x.is_deleted() for x in jax.tree.leaves(state.inner_state))
+  assert bool(new_state.last_step_applied) is not poison
+  if poison:
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, new_params), expected_params)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, new_state.inner_state), expected_inner)
+  else:
+    ref_updates, _ = optax.adam(1e-3).update(
+      jax.tree.map(lambda g: g / 2.0**15, _grads()),
+      optax.adam(1e-3).init(_params()),
+      _params(),
+    )
+    chex.assert_trees_all_close(
+      new_params, optax.apply_updates(_params(), ref_updates), rtol=1e-6, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64])
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
+def test_all_finite_agrees_with_elementwise_check(dtype, bad):
+  x = jnp.arange(3 * 5 * 7, dtype=jnp.float32).reshape(3, 5, 7).astype(dtype)
+  if bad is not None:
+    x = x.at[2, 4, 6].set(bad)
+  tree = {"x": x, "empty": jnp.zeros((0, 4), dtype), "n": jnp.arange(3)}
+  expected = bool(np.all(np.isfinite(np.asarray(x))))
+  assert bool(ols.all_finite(tree)) is expected
+  assert bool(jax.jit(ols.all_finite)(tree)) is expected
+
+
+def test_copy_detector_sees_the_copies_of_a_select_over_the_state():
+  # Guards the detector above against passing vacuously: selecting over
+  # (params, opt_state), as the jmp and Flax recipes do, copies the moments.
+  tx = optax.adam(1e-3)
+
+  def step(params, state, grads):
+    finite = ols.all_finite(grads)
+    updates, new_state = tx.update(grads, state, params)
+    new_params = optax.apply_updates(params, updates)
+    return ols.select_tree(finite, (new_params, new_state), (params, state))
+
+  params = _params()
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  hlo = jitted.lower(params, tx.init(params), _grads()).compile().as_text()
+  assert len(_data_copies(hlo)) >= len(BIG)
