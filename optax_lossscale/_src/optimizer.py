@@ -218,10 +218,17 @@ def loss_scale_optimizer(
 
   Feed it the gradients of the **scaled** loss (`get_scaled_loss`). Each
   update divides them by the current scale, checks them for NaN/Inf, updates
-  the loss scale and, on a finite step, returns exactly what `inner` returns
-  for the unscaled gradients. On a non-finite step (dynamic scales only) the
-  updates are zeros of the dtypes `inner` would return and `inner`'s state is
-  left bit-identical: its step count, schedules and moments do not advance.
+  the loss scale and, on a finite step, returns exactly what
+  `inner.update(ls.unscale(grads), inner_state, params)` returns. On a
+  non-finite step (dynamic scales only) the updates are zeros of the dtypes
+  `inner` would return and `inner`'s state is left bit-identical: its step
+  count, schedules and moments do not advance.
+
+  The unscaling is compiled into the inner update, so the unscaled gradients
+  never reach memory. With power-of-two scales (the dynamic default) they are
+  the true gradients bit for bit; the inner arithmetic is then the unwrapped
+  optimizer's, fused as XLA fuses it, which (as between any two XLA
+  programs) may round a multiply-add differently in the last bit.
 
   Args:
     inner: the transformation to wrap, e.g. `optax.adam(1e-3)` or a chain.
@@ -232,11 +239,10 @@ def loss_scale_optimizer(
       by default when dynamic.
     dynamic_growth_steps: finite steps between growths in the keyword form;
       2000 by default, must be None when `dynamic=False`.
-    skip_mode: `'cond'` runs `inner` inside `lax.cond` so a skipped step costs
-      nothing and applied steps are bit-identical to the unwrapped `inner`;
-      `'select'` always runs `inner` and selects the result (XLA may fuse it
-      and round the last bit differently); `'auto'` picks per backend
-      (currently `'cond'` everywhere).
+    skip_mode: `'cond'` runs `inner` inside `lax.cond` so a skipped step does
+      no optimizer work and copies no state; `'select'` always runs `inner`
+      and selects the result; `'auto'` picks per backend by measurement
+      (`'cond'` everywhere so far, see BENCHMARKS.md).
     axis_name: inside `shard_map`/`pmap`, the axis name or tuple of names
       across which shards must agree to skip; not needed under plain `jit`.
     record_nonfinite_leaves: keep in the state one bool per parameter leaf
@@ -314,24 +320,22 @@ def loss_scale_optimizer(
     **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleOptimizerState]:
     ls = state.loss_scale
-    unscaled = ls.unscale(grads)
 
     def apply_inner(
-      grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
+      scaled_grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
     ) -> tuple[optax.Updates, optax.OptState]:
-      return inner.update(grads, inner_state, params, **extra_args)
+      # Unscaling beside its consumers lets XLA fuse it into the inner update:
+      # the unscaled gradients are never written to memory.
+      return inner.update(ls.unscale(scaled_grads), inner_state, params, **extra_args)
 
-    # Under 'cond' the unscaled gradients are materialised as the conditional's
-    # operand, so the inner update compiles exactly as it does unwrapped. (Fused
-    # with the unscaling multiply, XLA could contract a different multiply-add
-    # and change the last bit.)
-    operands = (unscaled, state.inner_state, params)
+    operands = (grads, state.inner_state, params)
     if not ls.dynamic:
       # A fixed scale never skips (TensorFlow semantics): no check, no branch.
       updates, inner_state = apply_inner(*operands)
       return updates, state._replace(inner_state=inner_state)
 
-    new_ls, should_apply = ls.update(unscaled, axis_name=axis_name)
+    # The check reads the gradients once; the unscaling fuses into its reduction.
+    new_ls, should_apply = ls.update(ls.unscale(grads), axis_name=axis_name)
     if resolved_mode == "cond":
 
       def skip_inner(
@@ -344,8 +348,6 @@ def loss_scale_optimizer(
       # buffers instead of copying them.
       updates, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
     else:
-      # XLA fuses the unscaling and the selects into the inner update here, and
-      # may round the last bit differently from the unwrapped optimizer.
       new_updates, new_inner_state = apply_inner(*operands)
       # eval_shape, unlike a bare ShapeDtypeStruct, keeps each leaf's sharding
       # and varying mesh axes, which select requires both cases to share.
