@@ -188,3 +188,15 @@ class NNXOptimizerTest(chex.TestCase):
         self.assertTrue(bool(jnp.any(after["hidden"]["kernel"] != before["hidden"]["kernel"])))
     m = ols.metrics(optimizer)
     self.assertEqual((int(m["total_skips"]), float(m["loss_scale"])), (1, INITIAL_SCALE / 2))
+
+
+def test_nonfinite_leaves_metric_has_the_same_keys_as_with_plain_optax():
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  tx = ols.loss_scale_optimizer(optax.sgd(0.1), initial_scale=2.0**10, record_nonfinite_leaves=True)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  loss_fn = lambda m, x: jnp.sum(m(x) ** 2)
+  _, grads = nnx_value_and_grad(loss_fn)(optimizer, model, jnp.array([[jnp.inf, 1.0]]))
+  optimizer.update(model, grads)
+  flags = ols.metrics(optimizer)["nonfinite_leaves"]
+  assert set(flags) == {"['bias']", "['kernel']"}
+  assert all(bool(v) for v in flags.values())

@@ -401,6 +401,10 @@ def test_all_knobs_match_the_documented_algorithm(
     (dict(initial_loss_scale=0.5), "initial_loss_scale"),
     (dict(initial_loss_scale=100.0, max_loss_scale=64.0), "initial_loss_scale"),
     (dict(consecutive_hysteresis="yes"), "consecutive_hysteresis"),
+    # Representable in Python but not as the float32 the scale is kept in.
+    (dict(initial_loss_scale=1e39, max_loss_scale=1e40), "initial_loss_scale"),
+    (dict(initial_loss_scale=1e-45, min_loss_scale=1e-46), "min_loss_scale"),
+    (dict(initial_loss_scale=np.ones(2)), "initial_loss_scale"),
   ],
 )
 def test_dynamic_validation(kwargs, argument):
@@ -408,7 +412,9 @@ def test_dynamic_validation(kwargs, argument):
     ols.DynamicLossScale(**kwargs)
 
 
-@pytest.mark.parametrize("value", [0.5, 0.0, -3.0, math.inf, math.nan, "8", None, False])
+@pytest.mark.parametrize(
+  "value", [0.5, 0.0, -3.0, math.inf, math.nan, "8", None, False, 1e39, 10**400, np.ones(2)]
+)
 def test_fixed_validation(value):
   with pytest.raises(ValueError, match="loss_scale_value"):
     ols.FixedLossScale(value)
@@ -472,6 +478,19 @@ def test_get_error_lists_forms():
   message = str(info.value)
   for form in ("'dynamic'", "number", "LossScale", "serialize"):
     assert form in message
+
+
+@pytest.mark.parametrize(
+  "bad",
+  [
+    {"class_name": "FixedLossScale", "config": [8.0]},
+    {"class_name": "FixedLossScale", "config": {"value": 8.0}},
+    {"class_name": "DynamicLossScale", "config": {"initial_loss_scale": 4.0, "period": 3}},
+  ],
+)
+def test_deserialize_rejects_malformed_configs(bad):
+  with pytest.raises(ValueError, match="config"):
+    ols.deserialize(bad)
 
 
 def test_deserialize_unknown_class():

@@ -321,6 +321,21 @@ class CompositionTest(chex.TestCase):
     updates, state = step({"w": jnp.full(2, 6.0)}, state, params)  # unscaled by 2 now
     np.testing.assert_array_equal(updates["w"], [-2.0, -2.0])  # mean of 1 and 3
 
+  def test_wrapper_around_multisteps_recovers_after_an_overflow(self):
+    inner = optax.MultiSteps(optax.sgd(1.0), 2).gradient_transformation()
+    tx = ols.loss_scale_optimizer(inner, ols.DynamicLossScale(8.0))
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    _, state = step({"w": jnp.array([jnp.inf, 1.0])}, state, params)  # scale 8 -> 4
+    emitted = []
+    for _ in range(4):  # finite micro-batches of scaled gradient 4 (true gradient 1)
+      updates, state = step({"w": jnp.full(2, 4.0)}, state, params)
+      emitted.append(np.asarray(updates["w"]))
+    np.testing.assert_array_equal(emitted, [[0, 0], [-1, -1], [0, 0], [-1, -1]])
+    self.assertEqual(float(ols.get_loss_scale(state)()), 4.0)
+    self.assertEqual(int(ols.metrics(state)["total_skips"]), 1)
+
   def test_multisteps_object_gets_a_helpful_type_error(self):
     with pytest.raises(TypeError, match="gradient_transformation"):
       ols.loss_scale_optimizer(optax.MultiSteps(optax.sgd(1.0), 2))
@@ -377,6 +392,10 @@ class ConstructionTest(parameterized.TestCase):
     self.assertIs(init, tx.init)
     with self.assertRaises(AttributeError):
       tx.dynamic = False
+    # Rebuilt from its two fields (tree_map, _replace), it keeps its settings.
+    for rebuilt in (jax.tree.map(lambda f: f, tx), tx._replace(init=tx.init)):
+      self.assertIsInstance(rebuilt, ols.LossScaleOptimizer)
+      self.assertEqual(rebuilt.get_config(), tx.get_config())
 
   def test_config_is_json(self):
     import json
@@ -399,8 +418,9 @@ class ConstructionTest(parameterized.TestCase):
     (dict(loss_scale=0.5), ValueError, "loss_scale_value"),
     (dict(skip_mode="where"), ValueError, "skip_mode"),
     (dict(axis_name=()), TypeError, "axis_name"),
-    (dict(initial_scale=-1.0), ValueError, "initial_loss_scale"),
-    (dict(dynamic_growth_steps=0), ValueError, "increment_period"),
+    (dict(initial_scale=-1.0), ValueError, "^initial_scale must"),
+    (dict(dynamic_growth_steps=0), ValueError, "^dynamic_growth_steps must"),
+    (dict(dynamic=False, initial_scale=0.5), ValueError, "^initial_scale must"),
   )
   def test_errors(self, kwargs, error, match):
     with self.assertRaisesRegex(error, match):

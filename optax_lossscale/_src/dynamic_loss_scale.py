@@ -59,9 +59,10 @@ class DynamicLossScale(LossScale):
 
   Attributes:
     loss_scale: the current scale (float32 scalar leaf).
-    counter: finite steps since the last growth or overflow (int32 leaf).
-    hysteresis_tracker: overflows still tolerated before backing off (int32
-      leaf; 0 means the next overflow backs off).
+    counter: finite steps since the last overflow or the end of the last
+      growth period, taken or refused at `max_loss_scale` (int32 leaf).
+    hysteresis_tracker: int32 leaf; the next overflow backs off when it is
+      1 or 0, so `hysteresis_tracker - 1` more overflows are tolerated.
 
   Example:
     >>> import jax.numpy as jnp

@@ -39,8 +39,9 @@ class TrainState(train_state.TrainState):
   """`flax.training.train_state.TrainState` for a `loss_scale_optimizer`.
 
   Create it as usual, with a `tx` that contains a `loss_scale_optimizer`
-  (possibly inside `optax.chain` or `MultiSteps`), and feed `apply_gradients`
-  the gradients of the **scaled** loss, e.g. from `optax_lossscale.value_and_grad`.
+  (possibly inside `optax.chain`; for accumulation, wrap `MultiSteps` in it),
+  and feed `apply_gradients` the gradients of the **scaled** loss, e.g. from
+  `optax_lossscale.value_and_grad`.
 
   On a skipped (non-finite) step `params`, the inner optimizer state and
   `step` are unchanged, bit for bit; the loss scale backs off and the skip

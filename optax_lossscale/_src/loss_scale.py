@@ -68,7 +68,9 @@ class LossScale(abc.ABC):
 
   def __init_subclass__(cls, **kwargs: Any) -> None:
     super().__init_subclass__(**kwargs)
-    LossScale._registry[cls.__name__] = cls
+    # First come: a later class of the same name (a user's shim, a reloaded
+    # module) never takes over the name `deserialize` resolves.
+    LossScale._registry.setdefault(cls.__name__, cls)
     jax.tree_util.register_pytree_with_keys(
       cls, cls._tree_flatten_with_keys, cls._tree_unflatten, cls._tree_flatten
     )

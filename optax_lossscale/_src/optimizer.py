@@ -19,9 +19,8 @@ from optax_lossscale._src import dynamic_loss_scale, overflow_guard, serializati
 from optax_lossscale._src import loss_scale as loss_scale_lib
 
 SkipMode = Literal["auto", "cond", "select"]
+_SETTINGS_ATTR = "loss_scale_optimizer_settings"
 _SKIP_MODES = ("auto", "cond", "select")
-_DEFAULT_INITIAL_SCALE = 2**15
-_DEFAULT_GROWTH_STEPS = 2000
 
 
 class LossScaleOptimizerState(NamedTuple):
@@ -76,18 +75,30 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     (32768.0, 100, 'cond')
   """
 
-  # Instances carry a __dict__ for the Keras-style attributes below; the tuple
-  # itself stays the two functions optax unpacks.
+  __slots__ = ()  # immutable, like the tuple it is
+
+  # The tuple stays the two functions optax unpacks. The Keras-style settings
+  # below ride on the update function, so they survive `_replace(init=...)`
+  # and `jax.tree.map`, which rebuild the tuple from its two fields.
+
+  @property
+  def _settings(self) -> dict[str, Any]:
+    settings = getattr(self.update, _SETTINGS_ATTR, None)
+    if settings is None:
+      raise AttributeError(
+        "This LossScaleOptimizer's update function was replaced; its settings are gone."
+      )
+    return settings
 
   @property
   def inner_optimizer(self) -> optax.GradientTransformationExtraArgs:
     """The wrapped transformation."""
-    return self.__dict__["_inner"]
+    return self._settings["inner"]
 
   @property
   def initial_loss_scale(self) -> loss_scale_lib.LossScale:
     """The `LossScale` that `init` puts in the state."""
-    return self.__dict__["_loss_scale"]
+    return self._settings["loss_scale"]
 
   @property
   def dynamic(self) -> bool:
@@ -108,12 +119,12 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   @property
   def skip_mode(self) -> SkipMode:
     """How skipped steps are implemented: 'cond' or 'select' (resolved)."""
-    return self.__dict__["_skip_mode"]
+    return self._settings["skip_mode"]
 
   @property
   def axis_name(self) -> Any:
     """The mapped axis name(s) the finiteness check agrees across, or None."""
-    return self.__dict__["_axis_name"]
+    return self._settings["axis_name"]
 
   def get_config(self) -> dict[str, Any]:
     """A JSON-serializable dict of the wrapper's settings (not the inner's).
@@ -128,11 +139,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       "dynamic_growth_steps": self.dynamic_growth_steps,
       "skip_mode": self.skip_mode,
       "axis_name": list(axis_name) if isinstance(axis_name, tuple) else axis_name,
-      **self.__dict__["_diagnostics"],
+      **self._settings["diagnostics"],
     }
-
-  def __setattr__(self, name: str, value: Any) -> None:
-    raise AttributeError(f"LossScaleOptimizer is immutable; cannot set {name!r}.")
 
 
 def _resolve_loss_scale(
@@ -154,20 +162,31 @@ def _resolve_loss_scale(
     dynamic = True
   if not isinstance(dynamic, bool):
     raise TypeError(f"dynamic must be a bool; got {dynamic!r}.")
-  if dynamic:
-    return dynamic_loss_scale.DynamicLossScale(
-      initial_loss_scale=_DEFAULT_INITIAL_SCALE if initial_scale is None else initial_scale,
-      increment_period=(
-        _DEFAULT_GROWTH_STEPS if dynamic_growth_steps is None else dynamic_growth_steps
-      ),
-    )
-  if initial_scale is None:
-    raise ValueError('"initial_scale" must be specified if "dynamic" is False.')
-  if dynamic_growth_steps is not None:
-    raise ValueError(
-      f'"dynamic_growth_steps" must be None if "dynamic" is False; got {dynamic_growth_steps!r}.'
-    )
-  return loss_scale_lib.FixedLossScale(initial_scale)
+  # Keras's keyword names in the errors, not the loss scales' own.
+  renames = {
+    "initial_loss_scale": "initial_scale",
+    "loss_scale_value": "initial_scale",
+    "increment_period": "dynamic_growth_steps",
+  }
+  try:
+    if dynamic:
+      given = {"initial_loss_scale": initial_scale, "increment_period": dynamic_growth_steps}
+      return dynamic_loss_scale.DynamicLossScale(
+        **{k: v for k, v in given.items() if v is not None}
+      )
+    if initial_scale is None:
+      raise ValueError('"initial_scale" must be specified if "dynamic" is False.')
+    if dynamic_growth_steps is not None:
+      raise ValueError(
+        f'"dynamic_growth_steps" must be None if "dynamic" is False; got {dynamic_growth_steps!r}.'
+      )
+    return loss_scale_lib.FixedLossScale(initial_scale)
+  except ValueError as e:
+    message = str(e)
+    for internal, keyword in renames.items():
+      if message.startswith(internal):
+        raise ValueError(keyword + message[len(internal) :]) from None
+    raise
 
 
 def _zeros_and_passthrough(shapes: tuple[Any, Any], old_state: Any) -> tuple[Any, Any]:
@@ -229,6 +248,14 @@ def loss_scale_optimizer(
   the true gradients bit for bit; the inner arithmetic is then the unwrapped
   optimizer's, fused as XLA fuses it, which (as between any two XLA
   programs) may round a multiply-add differently in the last bit.
+
+  For gradient accumulation wrap `optax.MultiSteps` (pass
+  `optax.MultiSteps(inner, k).gradient_transformation()` as `inner`): each
+  micro-batch is then checked, an overflowing one is skipped and not
+  accumulated, and the scale backs off at once. The other order,
+  `optax.MultiSteps(loss_scale_optimizer(...), k)`, cannot recover from an
+  overflow: MultiSteps clears its accumulator by multiplying it by zero, and
+  `inf * 0` is NaN, so every later update would be skipped.
 
   Args:
     inner: the transformation to wrap, e.g. `optax.adam(1e-3)` or a chain.
@@ -374,10 +401,15 @@ def loss_scale_optimizer(
       nonfinite_leaves=nonfinite_leaves,
     )
 
-  tx = LossScaleOptimizer(init_fn, update_fn)
-  object.__setattr__(tx, "_inner", user_inner)
-  object.__setattr__(tx, "_loss_scale", initial_ls)
-  object.__setattr__(tx, "_skip_mode", resolved_mode)
-  object.__setattr__(tx, "_axis_name", axis_name)
-  object.__setattr__(tx, "_diagnostics", diagnostics)
-  return tx
+  setattr(
+    update_fn,
+    _SETTINGS_ATTR,
+    {
+      "inner": user_inner,
+      "loss_scale": initial_ls,
+      "skip_mode": resolved_mode,
+      "axis_name": axis_name,
+      "diagnostics": diagnostics,
+    },
+  )
+  return LossScaleOptimizer(init_fn, update_fn)

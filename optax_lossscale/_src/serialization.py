@@ -62,7 +62,14 @@ def deserialize(config: dict[str, Any]) -> LossScale:
       f"Unknown loss scale class_name {config['class_name']!r}; known:"
       f" {sorted(LossScale._registry)}."
     )
-  return cls.from_config(dict(config["config"]))
+  if not isinstance(config["config"], dict):
+    raise ValueError(
+      f"deserialize expects config['config'] to be a dict; got {config['config']!r}."
+    )
+  try:
+    return cls.from_config(dict(config["config"]))
+  except TypeError as e:  # an unknown or missing key
+    raise ValueError(f"Invalid config for {config['class_name']}: {e}") from e
 
 
 def get(identifier: Any) -> LossScale:

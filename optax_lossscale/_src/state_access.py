@@ -39,8 +39,18 @@ def _plain(state: LossScaleOptimizerState) -> LossScaleOptimizerState:
   ls = state.loss_scale
   if isinstance(ls, loss_scale_lib.LossScale):
     ls = ls.replace(**{f: _unwrap(getattr(ls, f)) for f in ls._state_fields})
+  nonfinite = state.nonfinite_leaves
+  if nonfinite is not None:
+    # Stop at each one-array box, or its own path would lengthen the keys.
+    is_box = lambda x: (
+      x is not None
+      and not isinstance(x, (jax.Array, np.ndarray, np.generic))
+      and (len(jax.tree.leaves(x)) == 1)
+    )
+    nonfinite = jax.tree.map(_unwrap, nonfinite, is_leaf=is_box)
   return state._replace(
     loss_scale=ls,
+    nonfinite_leaves=nonfinite,
     last_step_applied=_unwrap(state.last_step_applied),
     consecutive_skips=_unwrap(state.consecutive_skips),
     total_skips=_unwrap(state.total_skips),
@@ -168,7 +178,7 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     opt_state: the state of a `loss_scale_optimizer`, possibly nested.
 
   Returns:
-    A dict of four scalar arrays.
+    A dict of four scalar arrays, plus `nonfinite_leaves` when recorded.
 
   Example:
     >>> import jax.numpy as jnp, optax

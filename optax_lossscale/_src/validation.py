@@ -11,6 +11,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -27,24 +28,40 @@ def check_float(
   high_inclusive: bool = True,
   accepted: str,
 ) -> float:
-  """Converts a concrete number to float and checks its range, or raises."""
+  """Converts a concrete number to float and checks its range, or raises.
+
+  The number must also survive the conversion to float32, the dtype the
+  scale is stored and computed in: finite there, and not flushed to zero
+  when it must be positive.
+  """
   if isinstance(value, (bool, np.bool_)) or not isinstance(
-    value, (numbers.Real, np.ndarray, jax.Array)
+    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
   ):
     raise ValueError(f"{name} must be {accepted}; got {value!r}.")
+  if np.ndim(value) != 0:
+    raise ValueError(f"{name} must be a scalar ({accepted}); got {value!r}.")
   try:
     number = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+  except (TypeError, OverflowError, jax.errors.ConcretizationTypeError) as e:
     raise ValueError(f"{name} must be a concrete number ({accepted}); got {value!r}.") from e
   above = number >= low if low_inclusive else number > low
   below = number <= high if high_inclusive else number < high
-  if not (math.isfinite(number) and above and below):
-    raise ValueError(f"{name} must be {accepted}; got {value!r}.")
+  as_float32 = float(np.float32(number)) if abs(number) <= FLOAT32_MAX else math.inf
+  positive_lost = number > 0 and as_float32 == 0
+  if not (math.isfinite(number) and above and below) or math.isinf(as_float32) or positive_lost:
+    raise ValueError(f"{name} must be {accepted}, representable as a float32; got {value!r}.")
   return number
 
 
 def check_int(name: str, value: Any, *, low: int, accepted: str) -> int:
   """Checks that `value` is an integer in [low, int32 max] and returns it."""
+  if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+      raise ValueError(f"{name} must be {accepted}; got {value!r}.")
+    try:
+      value = int(value)
+    except jax.errors.ConcretizationTypeError as e:
+      raise ValueError(f"{name} must be a concrete integer ({accepted}); got {value!r}.") from e
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
     raise ValueError(f"{name} must be {accepted}; got {value!r}.")
   number = int(value)
