@@ -17,6 +17,7 @@ import argparse
 from collections.abc import Iterator
 import contextlib
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -43,12 +44,12 @@ PRE_CHANGE = "ols cond (jnp.all check)"
 @contextlib.contextmanager
 def _jnp_all_check() -> Iterator[None]:
   """Traces with the finiteness check as it was before the uint8-min change."""
-  saved = tree_utils._leaf_all_finite
-  tree_utils._leaf_all_finite = lambda x: jnp.all(jnp.isfinite(x))
+  saved = tree_utils.leaf_all_finite
+  tree_utils.leaf_all_finite = lambda x: jnp.all(jnp.isfinite(x))
   try:
     yield
   finally:
-    tree_utils._leaf_all_finite = saved
+    tree_utils.leaf_all_finite = saved
 
 
 def _copy_tree(tree: Any) -> Any:
@@ -201,10 +202,15 @@ def plan(quick: bool) -> list[dict[str, Any]]:
   ]
 
 
-def machine_info() -> dict[str, Any]:
-  import flax
-  import jmp
+def _version(package: str) -> str | None:
+  """The installed version of `package`, or None (its variants are skipped)."""
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return None
 
+
+def machine_info() -> dict[str, Any]:
   cpu = platform.processor() or platform.machine()
   with contextlib.suppress(OSError):
     text = pathlib.Path("/proc/cpuinfo").read_text()
@@ -223,8 +229,8 @@ def machine_info() -> dict[str, Any]:
       "jax": jax.__version__,
       "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
       "optax": optax.__version__,
-      "flax": flax.__version__,
-      "jmp": getattr(jmp, "__version__", "?"),
+      "flax": _version("flax"),
+      "jmp": _version("jmp"),
       "numpy": np.__version__,
     },
     "xla_flags": os.environ.get("XLA_FLAGS", ""),

@@ -130,11 +130,14 @@ def run(mode: str, steps: int, initial_scale: float) -> None:
       params, opt_state, loss = step(params, opt_state, batch)
       scale = ols.get_loss_scale(opt_state).loss_scale
       copies, decisions = per_device(scale), per_device(opt_state.last_step_applied)
+      loss_scale_value = next(iter(copies))
       if len(copies) != 1 or len(decisions) != 1:
         raise RuntimeError(f"devices disagree at step {i}: scales {copies}, applied {decisions}")
       if i < 8 or i % 20 == 0 or i == steps - 1:
         applied = decisions.pop()
-        agreeing = len(scale.addressable_shards)
+        agreeing = sum(
+          np.asarray(s.data).item() == float(loss_scale_value) for s in scale.addressable_shards
+        )
         print(f"{i:>5} {float(loss):>9.5f} {copies.pop():>10.0f} {applied!s:>8} {agreeing:>17}")
     metrics = ols.metrics(opt_state)
     print(f"final loss scale {float(metrics['loss_scale']):.0f},", end=" ")

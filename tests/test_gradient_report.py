@@ -178,3 +178,16 @@ class FormatTest(chex.TestCase):
     jitted = jax.jit(ols.gradient_report)(self.grads)
     assert str(jitted) == str(self.report)
     assert jitted.nonfinite_paths() == ["['inf']", "['nan']"]
+
+
+def test_tree_order_survives_jit():
+  # Twelve list leaves: sorted path strings would put '[10]' before '[2]'.
+  grads = [jnp.full((2,), float(i)) for i in range(12)]
+  grads[7] = grads[7].at[0].set(jnp.nan)
+  for report in (ols.gradient_report(grads), jax.jit(ols.gradient_report)(grads)):
+    expected = [f"[{i}]" for i in range(12)]
+    assert report.paths == tuple(expected)
+    assert [path for path, _ in report.items()] == expected
+    assert report.nonfinite_paths() == ["[7]"]
+    rows = ols.format_gradient_report(report).splitlines()[2:]
+    assert [row.split()[1] for row in rows] == ["[7]"] + [p for p in expected if p != "[7]"]

@@ -101,8 +101,11 @@ class GradientReport:
   """The result of `gradient_report`: per-leaf stats and the target dtype.
 
   Attributes:
-    leaves: `LeafStats` by pytree path (`jax.tree_util.keystr`), in tree order.
+    leaves: `LeafStats` by pytree path (`jax.tree_util.keystr`). A dict that
+      has been through `jit` has its keys sorted, so iterate `paths` (or
+      `items()`) for tree order.
     target_dtype: the dtype name the underflow/subnormal/overflow counts refer to.
+    paths: the keys of `leaves` in tree order (static).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -114,17 +117,22 @@ class GradientReport:
 
   leaves: dict[str, LeafStats]
   target_dtype: str
+  paths: tuple[str, ...] = ()
+
+  def items(self) -> list[tuple[str, LeafStats]]:
+    """`(path, stats)` pairs in tree order."""
+    return [(path, self.leaves[path]) for path in self.paths]
 
   def nonfinite_paths(self) -> list[str]:
-    """The paths of the leaves holding any NaN or Inf (host side, reads values)."""
-    return [path for path, s in self.leaves.items() if int(s.nonfinite) > 0]
+    """The paths of the leaves holding any NaN or Inf, in tree order (reads values)."""
+    return [path for path, s in self.items() if int(s.nonfinite) > 0]
 
   def __str__(self) -> str:
     return format_gradient_report(self)
 
 
 jax.tree_util.register_dataclass(
-  GradientReport, data_fields=["leaves"], meta_fields=["target_dtype"]
+  GradientReport, data_fields=["leaves"], meta_fields=["target_dtype", "paths"]
 )
 
 
@@ -213,7 +221,7 @@ def gradient_report(grads: Any, dtype: Any = jnp.float16) -> GradientReport:
     for path, leaf in flat
     if tree_utils.is_inexact(leaf)
   }
-  return GradientReport(leaves=leaves, target_dtype=target.name)
+  return GradientReport(leaves=leaves, target_dtype=target.name, paths=tuple(leaves))
 
 
 def _problem_rank(s: LeafStats) -> tuple[int, float]:
@@ -260,8 +268,8 @@ def format_gradient_report(report: GradientReport, max_rows: int | None = None) 
     isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1
   ):
     raise ValueError(f"max_rows must be None or a positive int; got {max_rows!r}.")
-  stats = jax.device_get(report.leaves)
-  order = sorted(stats.items(), key=lambda kv: _problem_rank(kv[1]))
+  stats = dict(jax.device_get(report.items()))  # a dict keeps the tree order here
+  order = sorted(stats.items(), key=lambda kv: _problem_rank(kv[1]))  # stable
   n_bad = sum(int(s.nonfinite) > 0 for s in stats.values())
   n_under = sum(int(s.underflow) > 0 for s in stats.values())
   n_over = sum(int(s.overflow) > 0 for s in stats.values())

@@ -21,8 +21,8 @@ per call on CPU even when the callback never ran. Any host callback still
 makes the CPU runtime execute the step synchronously (the call returns once
 the step has run), the guard's remaining cost. An exception raised in the
 callback reaches the caller (jax 0.10.2) as a `jax.errors.JaxRuntimeError`
-from jax's Python dispatch path (the call that compiles) or a `ValueError`
-from its C++ one; either message ends with the original
+or a `ValueError`, depending on which dispatch path the call took (which the
+history of calls decides); either message ends with the original
 `OverflowGuardError: ...` text. Under asynchronous dispatch it surfaces at the
 step call or when one of its results is next read.
 """
@@ -76,9 +76,9 @@ def init_nonfinite_leaves(params: Any) -> Any:
 
 
 def _leaf_nonfinite(g: Any) -> jax.Array:
-  if g is None or not tree_utils.is_inexact(g):
+  if g is None or not tree_utils.is_inexact(g) or not jnp.size(g):
     return jnp.asarray(False)
-  return jnp.logical_not(jnp.all(jnp.isfinite(g)))
+  return jnp.logical_not(tree_utils.leaf_all_finite(g))
 
 
 def update_nonfinite_leaves(

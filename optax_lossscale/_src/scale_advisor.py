@@ -160,7 +160,8 @@ def suggest_loss_scale(
   for x in leaves:
     if np.iscomplexobj(x):
       x = np.stack([x.real, x.imag])
-    parts.append(x.astype(np.float32).ravel())
+    # float64 stays float64: a finite 1e39 must not read as inf, nor 1e-50 as 0.
+    parts.append(x.astype(np.promote_types(x.dtype, np.float32)).ravel())
   values = np.concatenate(parts) if parts else np.zeros((0,), np.float32)
   finite = np.isfinite(values)
   num_nonfinite = int(values.size - np.count_nonzero(finite))

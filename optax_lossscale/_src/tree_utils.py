@@ -64,7 +64,7 @@ def normalize_axis_name(axis_name: AxisName) -> Hashable | tuple[Hashable, ...] 
   return axis_name
 
 
-def _leaf_all_finite(x: jax.Array) -> jax.Array:
+def leaf_all_finite(x: jax.Array) -> jax.Array:
   """Whether every element of the non-empty array `x` is finite, as a bool scalar."""
   # A min over uint8 flags rather than `jnp.all`: XLA:CPU lowers the bool
   # and-reduction to extra reduce-window passes, and this check reads every
@@ -99,7 +99,7 @@ def all_finite(tree: Any, axis_name: AxisName = None) -> jax.Array:
   """
   axis_name = normalize_axis_name(axis_name)
   leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_inexact(x)]
-  per_leaf = [_leaf_all_finite(x) for x in leaves if x.size]
+  per_leaf = [leaf_all_finite(x) for x in leaves if x.size]
   finite = functools.reduce(jnp.logical_and, per_leaf, jnp.asarray(True))
   if axis_name is not None:
     # One all-reduce of a scalar: the minimum is 1 only if every shard is finite.
