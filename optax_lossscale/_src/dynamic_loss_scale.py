@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from optax_lossscale._src import tree_utils, validation
 from optax_lossscale._src.loss_scale import LossScale
@@ -166,10 +165,9 @@ class DynamicLossScale(LossScale):
     tolerance = validation.check_int(
       "hysteresis", hysteresis, low=1, accepted=f"an integer in [1, {validation.INT32_MAX}]"
     )
-    if not isinstance(consecutive_hysteresis, (bool, np.bool_)):
-      raise ValueError(
-        f"consecutive_hysteresis must be True or False; got {consecutive_hysteresis!r}."
-      )
+    consecutive = validation.check_bool(
+      "consecutive_hysteresis", consecutive_hysteresis, error=ValueError
+    )
     self._set(
       initial_loss_scale=initial,
       increment_period=period,
@@ -178,7 +176,7 @@ class DynamicLossScale(LossScale):
       max_loss_scale=high,
       backoff_factor=backoff,
       hysteresis=tolerance,
-      consecutive_hysteresis=bool(consecutive_hysteresis),
+      consecutive_hysteresis=consecutive,
       loss_scale=jnp.asarray(initial, jnp.float32),
       counter=jnp.zeros((), jnp.int32),
       hysteresis_tracker=jnp.asarray(tolerance, jnp.int32),

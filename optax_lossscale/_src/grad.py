@@ -14,17 +14,12 @@ from typing import Any
 
 import jax
 
-from optax_lossscale._src import state_access
+from optax_lossscale._src import state_access, validation
 
 # Turns a function `f(*args) -> (scaled_loss, (loss, aux))` into one returning
 # `((scaled_loss, (loss, aux)), grads)`: `jax.value_and_grad` with `has_aux=True`,
 # or an NNX or Equinox equivalent.
 Differentiate = Callable[[Callable[..., Any]], Callable[..., Any]]
-
-
-def _check_has_aux(has_aux: Any) -> None:
-  if not isinstance(has_aux, bool):
-    raise TypeError(f"has_aux must be True or False; got {has_aux!r}.")
 
 
 def scaled_value_and_grad(
@@ -44,7 +39,7 @@ def scaled_value_and_grad(
   """
   if not callable(fun):
     raise TypeError(f"fun must be callable; got {type(fun).__name__}.")
-  _check_has_aux(has_aux)
+  validation.check_bool("has_aux", has_aux)
 
   def wrapped(loss_scale: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
     ls = state_access.get_loss_scale(loss_scale)

@@ -15,7 +15,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale._src import dynamic_loss_scale, overflow_guard, serialization, tree_utils
+from optax_lossscale._src import (
+  dynamic_loss_scale,
+  overflow_guard,
+  serialization,
+  tree_utils,
+  validation,
+)
 from optax_lossscale._src import loss_scale as loss_scale_lib
 
 SkipMode = Literal["auto", "cond", "select"]
@@ -160,8 +166,7 @@ def _resolve_loss_scale(
     )
   if dynamic is None:
     dynamic = True
-  if not isinstance(dynamic, bool):
-    raise TypeError(f"dynamic must be a bool; got {dynamic!r}.")
+  validation.check_bool("dynamic", dynamic)
   # Keras's keyword names in the errors, not the loss scales' own.
   renames = {
     "initial_loss_scale": "initial_scale",
@@ -361,8 +366,10 @@ def loss_scale_optimizer(
       updates, inner_state = apply_inner(*operands)
       return updates, state._replace(inner_state=inner_state)
 
-    # The check reads the gradients once; the unscaling fuses into its reduction.
-    new_ls, should_apply = ls.update(ls.unscale(grads), axis_name=axis_name)
+    # Read only by reductions (the check, the recorded flags), so the
+    # unscaling fuses into them and is never written out.
+    unscaled = ls.unscale(grads)
+    new_ls, should_apply = ls.update(unscaled, axis_name=axis_name)
     if resolved_mode == "cond":
 
       def skip_inner(
@@ -388,7 +395,7 @@ def loss_scale_optimizer(
     nonfinite_leaves = state.nonfinite_leaves
     if record_nonfinite_leaves:
       nonfinite_leaves = overflow_guard.update_nonfinite_leaves(
-        nonfinite_leaves, ls.unscale(grads), should_apply, axis_name
+        nonfinite_leaves, unscaled, should_apply, axis_name
       )
     if guard is not None:
       consecutive_skips = guard(ls, should_apply, consecutive_skips, grads)

@@ -30,7 +30,6 @@ step call or when one of its results is next read.
 from __future__ import annotations
 
 from collections.abc import Callable
-import numbers
 from typing import Any
 
 import jax
@@ -39,7 +38,7 @@ import numpy as np
 
 from optax_lossscale._src import gradient_report as report_lib
 from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src import tree_utils
+from optax_lossscale._src import tree_utils, validation
 
 GuardFn = Callable[[loss_scale_lib.LossScale, jax.Array, jax.Array, Any], jax.Array]
 
@@ -124,21 +123,20 @@ def check_options(
   record_nonfinite_leaves: Any,
 ) -> dict[str, Any]:
   """Validates the wrapper's diagnostic arguments and returns them for `get_config`."""
-  if max_consecutive_skips is not None and (
-    isinstance(max_consecutive_skips, (bool, np.bool_))
-    or not isinstance(max_consecutive_skips, numbers.Integral)
-    or max_consecutive_skips < 1
-  ):
-    raise ValueError(
-      f"max_consecutive_skips must be None (no limit) or an integer >= 1; got"
-      f" {max_consecutive_skips!r}."
+  if max_consecutive_skips is not None:
+    # The skip streak is an int32 counter, so the limit must fit one too.
+    max_consecutive_skips = validation.check_int(
+      "max_consecutive_skips",
+      max_consecutive_skips,
+      low=1,
+      accepted=f"None (no limit) or an integer in [1, {validation.INT32_MAX}]",
     )
-  for name, value in (
-    ("raise_at_min_loss_scale", raise_at_min_loss_scale),
-    ("record_nonfinite_leaves", record_nonfinite_leaves),
-  ):
-    if not isinstance(value, (bool, np.bool_)):
-      raise TypeError(f"{name} must be True or False; got {value!r}.")
+  raise_at_min_loss_scale = validation.check_bool(
+    "raise_at_min_loss_scale", raise_at_min_loss_scale
+  )
+  record_nonfinite_leaves = validation.check_bool(
+    "record_nonfinite_leaves", record_nonfinite_leaves
+  )
   if raise_at_min_loss_scale and loss_scale.dynamic and not hasattr(loss_scale, "min_loss_scale"):
     raise ValueError(
       "raise_at_min_loss_scale=True needs a loss scale with a min_loss_scale"

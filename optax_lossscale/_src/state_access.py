@@ -22,16 +22,20 @@ def _is_state(x: Any) -> bool:
   return isinstance(x, LossScaleOptimizerState)
 
 
-def _unwrap(x: Any) -> Any:
-  """Returns the array inside a one-array box such as an `nnx.Variable`, else `x`.
+def _is_box(x: Any) -> bool:
+  """Whether `x` is a one-array box such as an `nnx.Variable`.
 
   `nnx.Optimizer` keeps every optimizer-state leaf in a Variable, a pytree with
-  exactly one leaf; unwrapping it generically keeps Flax out of the core.
+  exactly one leaf; recognising it generically keeps Flax out of the core.
   """
   if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic)):
-    return x
-  leaves = jax.tree.leaves(x)
-  return leaves[0] if len(leaves) == 1 else x
+    return False
+  return len(jax.tree.leaves(x)) == 1
+
+
+def _unwrap(x: Any) -> Any:
+  """Returns the array inside a one-array box, else `x` unchanged."""
+  return jax.tree.leaves(x)[0] if _is_box(x) else x
 
 
 def _plain(state: LossScaleOptimizerState) -> LossScaleOptimizerState:
@@ -42,12 +46,7 @@ def _plain(state: LossScaleOptimizerState) -> LossScaleOptimizerState:
   nonfinite = state.nonfinite_leaves
   if nonfinite is not None:
     # Stop at each one-array box, or its own path would lengthen the keys.
-    is_box = lambda x: (
-      x is not None
-      and not isinstance(x, (jax.Array, np.ndarray, np.generic))
-      and (len(jax.tree.leaves(x)) == 1)
-    )
-    nonfinite = jax.tree.map(_unwrap, nonfinite, is_leaf=is_box)
+    nonfinite = jax.tree.map(_unwrap, nonfinite, is_leaf=_is_box)
   return state._replace(
     loss_scale=ls,
     nonfinite_leaves=nonfinite,

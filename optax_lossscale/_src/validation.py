@@ -53,6 +53,13 @@ def check_float(
   return number
 
 
+def check_bool(name: str, value: Any, *, error: type[Exception] = TypeError) -> bool:
+  """Checks that `value` is True or False (NumPy's bool too) and returns it."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise error(f"{name} must be True or False; got {value!r}.")
+  return bool(value)
+
+
 def check_int(name: str, value: Any, *, low: int, accepted: str) -> int:
   """Checks that `value` is an integer in [low, int32 max] and returns it."""
   if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
