@@ -12,6 +12,7 @@ from optax_lossscale._src.loss_scale import FixedLossScale, LossScale, NoOpLossS
 from optax_lossscale._src.optimizer import (
   LossScaleOptimizer,
   LossScaleOptimizerState,
+  apply_gradients,
   loss_scale_optimizer,
 )
 from optax_lossscale._src.overflow_guard import OverflowGuardError
@@ -39,6 +40,7 @@ __all__ = (
   "OverflowGuardError",
   "ScaleAdvice",
   "all_finite",
+  "apply_gradients",
   "deserialize",
   "format_gradient_report",
   "get",

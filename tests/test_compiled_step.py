@@ -3,8 +3,9 @@
 These read the optimized HLO and the executable of a jitted, donated step, so
 they are deterministic (no timing): the wrapper adds no full-size copies over
 bare optax, no host transfer, keeps donation working, and allocates no
-temporary beyond the updates (never the unscaled gradients). BENCHMARKS.md
-has the timings.
+temporary beyond the updates (never the unscaled gradients); stepping with
+`apply_gradients` does not even allocate the updates. BENCHMARKS.md has the
+timings.
 """
 
 import re
@@ -37,17 +38,19 @@ def _grads(poison=False):
   return grads
 
 
-def _step(tx):
+def _step(tx, fused=False):
   def step(params, state, grads):
+    if fused:
+      return ols.apply_gradients(tx, grads, state, params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def _compiled(tx):
+def _compiled(tx, fused=False):
   params = _params()
-  return _step(tx).lower(params, tx.init(params), _grads()).compile()
+  return _step(tx, fused).lower(params, tx.init(params), _grads()).compile()
 
 
 def _data_copies(hlo):
@@ -61,17 +64,22 @@ WRAPPED = {
 }
 
 
+FUSED = pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+
+
+@FUSED
 @pytest.mark.parametrize("mode", sorted(WRAPPED))
-def test_no_extra_full_size_copies_over_bare_optax(mode):
+def test_no_extra_full_size_copies_over_bare_optax(mode, fused):
   bare = _data_copies(_compiled(optax.adam(1e-3)).as_text())
-  wrapped = _data_copies(_compiled(WRAPPED[mode]()).as_text())
+  wrapped = _data_copies(_compiled(WRAPPED[mode](), fused).as_text())
   assert wrapped <= bare, (wrapped, bare)
 
 
+@FUSED
 @pytest.mark.parametrize("mode", ["cond", "select", "auto"])
-def test_no_host_transfer_in_the_step(mode):
+def test_no_host_transfer_in_the_step(mode, fused):
   tx = ols.loss_scale_optimizer(optax.adam(1e-3), skip_mode=mode)
-  assert not hlo_stats.has_host_transfer(_compiled(tx).as_text())
+  assert not hlo_stats.has_host_transfer(_compiled(tx, fused).as_text())
 
 
 def test_auto_is_a_conditional_on_cpu():
@@ -89,9 +97,18 @@ def test_temporaries_are_at_most_the_updates():
   assert wrapped <= bare + PARAM_BYTES + 4096
 
 
-def test_donation_aliases_every_param_and_moment():
+def test_apply_gradients_allocates_no_full_size_temporary():
+  # Inside the branch the updates fuse into the new params: what is left is
+  # the check's one-byte-per-element finiteness flags, a quarter of PARAM_BYTES.
+  bare = _compiled(optax.adam(1e-3)).memory_analysis().temp_size_in_bytes
+  fused = _compiled(WRAPPED["cond"](), fused=True).memory_analysis().temp_size_in_bytes
+  assert fused <= bare + PARAM_BYTES // 4 + 4096, (fused, bare)
+
+
+@FUSED
+def test_donation_aliases_every_param_and_moment(fused):
   tx = WRAPPED["cond"]()
-  header = _compiled(tx).as_text().split("\n", 1)[0]
+  header = _compiled(tx, fused).as_text().split("\n", 1)[0]
   aliased = re.findall(r"\{[\d,\s]*\}: \((\d+), \{[\d,\s]*\}, (?:may|must)-alias\)", header)
   params = _params()
   flat_inputs = jax.tree.leaves((params, tx.init(params)))
@@ -101,14 +118,15 @@ def test_donation_aliases_every_param_and_moment():
   assert big_inputs <= {int(i) for i in aliased}
 
 
+@FUSED
 @pytest.mark.parametrize("poison", [False, True], ids=["taken", "skipped"])
-def test_donated_buffers_are_consumed_and_skip_keeps_values(poison):
+def test_donated_buffers_are_consumed_and_skip_keeps_values(poison, fused):
   tx = WRAPPED["cond"]()
   params = _params()
   state = tx.init(params)
   expected_params = jax.tree.map(np.array, params)
   expected_inner = jax.tree.map(np.array, state.inner_state)
-  new_params, new_state = _step(tx)(params, state, _grads(poison))
+  new_params, new_state = _step(tx, fused)(params, state, _grads(poison))
   assert all(x.is_deleted() for x in jax.tree.leaves(params))
   assert all(x.is_deleted() for x in jax.tree.leaves(state.inner_state))
   assert bool(new_state.last_step_applied) is not poison

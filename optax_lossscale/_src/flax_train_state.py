@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src import state_access
+from optax_lossscale._src import optimizer, state_access
 
 # Flax's fp8 marker (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT): those
 # "gradients" overwrite fp8 metadata and would be written even on skipped steps.
@@ -92,16 +92,22 @@ class TrainState(train_state.TrainState):
         " optax_lossscale.flax.TrainState does not support (they would be"
         " written even on skipped steps)."
       )
-    updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-    applied = state_access.find_state(opt_state).last_step_applied
-    params = jax.lax.cond(
-      applied,
-      lambda p, u: optax.apply_updates(p, u),
-      # The untouched branch second: XLA can then alias the params buffers.
-      lambda p, u: p,
-      self.params,
-      updates,
-    )
+    fused = optimizer.fused_apply_gradients(self.tx)
+    if fused is not None:
+      # The wrapper is the whole tx: update and apply inside its one branch.
+      params, opt_state = fused(grads, self.opt_state, self.params)
+      applied = opt_state.last_step_applied
+    else:
+      updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+      applied = state_access.find_state(opt_state).last_step_applied
+      params = jax.lax.cond(
+        applied,
+        lambda p, u: optax.apply_updates(p, u),
+        # The untouched branch second: XLA can then alias the params buffers.
+        lambda p, u: p,
+        self.params,
+        updates,
+      )
     step = jnp.asarray(self.step, jnp.int32) + applied.astype(jnp.int32)
     return self.replace(step=step, params=params, opt_state=opt_state, **kwargs)
 

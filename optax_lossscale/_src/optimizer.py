@@ -9,6 +9,7 @@ so schedules, Adam moments and step counts do not advance.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -345,49 +346,56 @@ def loss_scale_optimizer(
       ),
     )
 
-  def update_fn(
+  def step(
     grads: optax.Updates,
     state: LossScaleOptimizerState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, LossScaleOptimizerState]:
+    params: optax.Params | None,
+    extra_args: dict[str, Any],
+    apply_to_params: bool,
+  ) -> tuple[Any, LossScaleOptimizerState]:
+    """One update; returns the updates, or with `apply_to_params` the new params."""
     ls = state.loss_scale
 
     def apply_inner(
       scaled_grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
-    ) -> tuple[optax.Updates, optax.OptState]:
+    ) -> tuple[Any, optax.OptState]:
       # Unscaling beside its consumers lets XLA fuse it into the inner update:
       # the unscaled gradients are never written to memory.
-      return inner.update(ls.unscale(scaled_grads), inner_state, params, **extra_args)
+      updates, inner_state = inner.update(
+        ls.unscale(scaled_grads), inner_state, params, **extra_args
+      )
+      if apply_to_params:
+        # Inside the branch the updates fuse into the parameter update and are
+        # never written to memory either.
+        return optax.apply_updates(params, updates), inner_state
+      return updates, inner_state
 
     operands = (grads, state.inner_state, params)
     if not ls.dynamic:
       # A fixed scale never skips (TensorFlow semantics): no check, no branch.
-      updates, inner_state = apply_inner(*operands)
-      return updates, state._replace(inner_state=inner_state)
+      out, inner_state = apply_inner(*operands)
+      return out, state._replace(inner_state=inner_state)
 
     # Read only by reductions (the check, the recorded flags), so the
     # unscaling fuses into them and is never written out.
     unscaled = ls.unscale(grads)
     new_ls, should_apply = ls.update(unscaled, axis_name=axis_name)
+
+    def skip_inner(
+      grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
+    ) -> tuple[Any, optax.OptState]:
+      shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
+      zeros, old_inner_state = _zeros_and_passthrough(shapes, inner_state)
+      return (params if apply_to_params else zeros), old_inner_state
+
     if resolved_mode == "cond":
-
-      def skip_inner(
-        grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
-      ) -> tuple[optax.Updates, optax.OptState]:
-        shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
-        return _zeros_and_passthrough(shapes, inner_state)
-
       # The pass-through is the false branch: XLA then aliases the state
       # buffers instead of copying them.
-      updates, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
+      out, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
     else:
-      new_updates, new_inner_state = apply_inner(*operands)
-      # eval_shape, unlike a bare ShapeDtypeStruct, keeps each leaf's sharding
-      # and varying mesh axes, which select requires both cases to share.
-      shapes = jax.eval_shape(lambda tree: tree, (new_updates, new_inner_state))
-      zeros, old_inner_state = _zeros_and_passthrough(shapes, state.inner_state)
-      updates = tree_utils.select_tree(should_apply, new_updates, zeros)
+      new_out, new_inner_state = apply_inner(*operands)
+      old_out, old_inner_state = skip_inner(*operands)
+      out = tree_utils.select_tree(should_apply, new_out, old_out)
       inner_state = tree_utils.select_tree(should_apply, new_inner_state, old_inner_state)
 
     skipped = jnp.logical_not(should_apply)
@@ -399,7 +407,7 @@ def loss_scale_optimizer(
       )
     if guard is not None:
       consecutive_skips = guard(ls, should_apply, consecutive_skips, grads)
-    return updates, LossScaleOptimizerState(
+    return out, LossScaleOptimizerState(
       inner_state=inner_state,
       loss_scale=new_ls,
       last_step_applied=should_apply,
@@ -407,6 +415,22 @@ def loss_scale_optimizer(
       total_skips=state.total_skips + skipped.astype(jnp.int32),
       nonfinite_leaves=nonfinite_leaves,
     )
+
+  def update_fn(
+    grads: optax.Updates,
+    state: LossScaleOptimizerState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, LossScaleOptimizerState]:
+    return step(grads, state, params, extra_args, apply_to_params=False)
+
+  def apply_gradients_fn(
+    grads: optax.Updates,
+    state: LossScaleOptimizerState,
+    params: optax.Params,
+    **extra_args: Any,
+  ) -> tuple[optax.Params, LossScaleOptimizerState]:
+    return step(grads, state, params, extra_args, apply_to_params=True)
 
   setattr(
     update_fn,
@@ -417,6 +441,71 @@ def loss_scale_optimizer(
       "skip_mode": resolved_mode,
       "axis_name": axis_name,
       "diagnostics": diagnostics,
+      "apply_gradients": apply_gradients_fn,
     },
   )
   return LossScaleOptimizer(init_fn, update_fn)
+
+
+def fused_apply_gradients(optimizer: optax.GradientTransformation) -> Callable[..., Any] | None:
+  """`(grads, state, params, **extra) -> (params, state)` of a wrapper, else None."""
+  settings = getattr(optimizer.update, _SETTINGS_ATTR, None)
+  return None if settings is None else settings["apply_gradients"]
+
+
+def apply_gradients(
+  optimizer: optax.GradientTransformation,
+  grads: optax.Updates,
+  opt_state: optax.OptState,
+  params: optax.Params,
+  **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState]:
+  """`optimizer.update` then `optax.apply_updates`, as one step.
+
+  For a `loss_scale_optimizer` the parameter update runs inside the skip
+  branch: on an applied step the updates fuse into the new parameters and are
+  never written to memory, and on a skipped step the parameters are returned
+  untouched (bit for bit, no `p + 0`) without being read. This is the
+  cheapest way to step (see BENCHMARKS.md); the result is the same as
+
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+
+  which is what this function does for any other transformation, including
+  a chain that merely contains a `loss_scale_optimizer`.
+
+  Args:
+    optimizer: an optax transformation, typically a `loss_scale_optimizer`.
+    grads: the gradients (of the **scaled** loss for a `loss_scale_optimizer`).
+    opt_state: the optimizer's state.
+    params: the parameters; required.
+    **extra_args: passed on to `optimizer.update`.
+
+  Returns:
+    `(new_params, new_opt_state)`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.loss_scale_optimizer(optax.sgd(0.5), initial_scale=2.0**8)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> params, state = ols.apply_gradients(tx, {'w': jnp.full(2, 256.0)}, state, params)
+    >>> params['w']
+    Array([0.5, 0.5], dtype=float32)
+    >>> params, state = ols.apply_gradients(tx, {'w': jnp.full(2, jnp.inf)}, state, params)
+    >>> params['w'], int(state.total_skips)
+    (Array([0.5, 0.5], dtype=float32), 1)
+  """
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise TypeError(
+      "optimizer must be an optax.GradientTransformation, e.g."
+      f" loss_scale_optimizer(optax.adam(1e-3)); got {type(optimizer).__name__}."
+    )
+  if params is None:
+    raise ValueError("params must be given: apply_gradients returns the updated params.")
+  fused = fused_apply_gradients(optimizer)
+  if fused is not None:
+    return fused(grads, opt_state, params, **extra_args)
+  updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
+  return optax.apply_updates(params, updates), opt_state
