@@ -7,7 +7,12 @@ jitted with `params` and `state` donated. Each is written the way its library
 documents it, so the comparison measures the recipe, not our rewrite of it:
 
 * `bare`: plain optax, no loss scaling; the baseline of every ratio.
-* `ols_*`: `optax_lossscale.loss_scale_optimizer` with a given `skip_mode`.
+* `bare_plus_one_read`: plain optax that also sums the gradients, one more
+  read of them and nothing else: the yardstick of the target "within one
+  extra read of the gradients of bare Adam".
+* `ols_*`: `optax_lossscale.loss_scale_optimizer` with a given `skip_mode`,
+  stepped as optax documents (`update`, then `optax.apply_updates`) or with
+  `optax_lossscale.apply_gradients`, which applies inside the skip branch.
 * `jmp`: jmp's README recipe: scale the loss, unscale the gradients,
   `jmp.all_finite`, `adjust`, then `jmp.select_tree` over params and state.
 * `flax`: `flax.training.dynamic_scale.DynamicScale.value_and_grad`, then
@@ -64,13 +69,33 @@ def bare(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
   return Recipe(tx.init, step)
 
 
+def bare_plus_one_read(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
+  def init(params):
+    return tx.init(params), jnp.zeros((), jnp.float32)
+
+  def step(params, state, batch):
+    grads = _grads(loss_fn, params, batch)
+    # Kept in the state, so XLA cannot drop the read.
+    total = sum(jnp.sum(g, dtype=jnp.float32) for g in jax.tree.leaves(grads))
+    updates, opt_state = tx.update(grads, state[0], params)
+    return optax.apply_updates(params, updates), (opt_state, total)
+
+  return Recipe(init, step)
+
+
 def optax_lossscale(
-  tx: optax.GradientTransformation, loss_fn: LossFn, skip_mode: str, **options: Any
+  tx: optax.GradientTransformation,
+  loss_fn: LossFn,
+  skip_mode: str,
+  fused: bool = False,
+  **options: Any,
 ) -> Recipe:
   opt = ols.loss_scale_optimizer(tx, skip_mode=skip_mode, **options)
 
   def step(params, state, batch):
     grads = _scaled_grads(loss_fn, params, batch, lambda loss: ols.get_scaled_loss(loss, state))
+    if fused:
+      return ols.apply_gradients(opt, grads, state, params)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -148,9 +173,14 @@ def apply_if_finite(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe
 
 VARIANTS: dict[str, Callable[[optax.GradientTransformation, LossFn], Recipe]] = {
   "bare optax": bare,
+  "bare + one read of grads": bare_plus_one_read,
   "ols cond": functools.partial(optax_lossscale, skip_mode="cond"),
   "ols select": functools.partial(optax_lossscale, skip_mode="select"),
   "ols auto": functools.partial(optax_lossscale, skip_mode="auto"),
+  "ols apply_gradients": functools.partial(optax_lossscale, skip_mode="auto", fused=True),
+  "ols apply_gradients (select)": functools.partial(
+    optax_lossscale, skip_mode="select", fused=True
+  ),
   "jmp recipe": jmp_recipe,
   "flax DynamicScale": flax_recipe,
   "optax.apply_if_finite": apply_if_finite,

@@ -111,11 +111,21 @@ class TrainStateTest(chex.TestCase):
     self.assertFalse(bool(m["last_step_applied"]))
     self.assertEqual((int(m["consecutive_skips"]), int(m["total_skips"])), (1, 1))
 
-  def test_skip_keeps_a_minus_zero_param(self):
+  # The wrapper as the whole tx takes the fused `apply_gradients` path; inside
+  # a chain, TrainState applies the updates itself.
+  @parameterized.named_parameters(
+    ("wrapper", _tx), ("chain", lambda: optax.chain(optax.identity(), _tx()))
+  )
+  def test_skip_keeps_a_minus_zero_param(self, make_tx):
     # `p + 0.0` would turn -0.0 into +0.0; a skipped step must not touch it.
-    state = TrainState.create(apply_fn=None, params={"w": jnp.array([-0.0, 1.0])}, tx=_tx())
+    params = {"w": jnp.array([-0.0, 1.0])}
+    state = TrainState.create(apply_fn=None, params=params, tx=make_tx())
     new = state.apply_gradients(grads={"w": jnp.array([jnp.inf, 0.0])})
     np.testing.assert_array_equal(np.signbit(new.params["w"]), [True, False])
+    self.assertEqual(int(new.step), 0)
+    new = new.apply_gradients(grads={"w": jnp.array([INITIAL_SCALE, 0.0])})
+    self.assertEqual(int(new.step), 1)
+    self.assertLess(float(new.params["w"][0]), 0.0)
 
   def test_step_is_an_int32_array_from_create(self):
     state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=_tx())

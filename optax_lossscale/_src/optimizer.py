@@ -195,6 +195,18 @@ def _resolve_loss_scale(
     raise
 
 
+def _scaling_keeps_finiteness(ls: loss_scale_lib.LossScale) -> bool:
+  """Whether the scaled gradients are finite exactly where the unscaled are.
+
+  Unscaling multiplies by 1/S. With S >= 1 that neither overflows a finite
+  gradient nor makes a NaN or Inf finite, so checking the scaled gradients
+  gives TensorFlow's answer. `DynamicLossScale` keeps S within
+  [min_loss_scale, max_loss_scale], so `min_loss_scale >= 1` (the default)
+  guarantees it; a subclass with its own `update` gets the unscaled gradients.
+  """
+  return type(ls).update is dynamic_loss_scale.DynamicLossScale.update and ls.min_loss_scale >= 1
+
+
 def _zeros_and_passthrough(shapes: tuple[Any, Any], old_state: Any) -> tuple[Any, Any]:
   """Skip-branch outputs typed exactly like the apply branch's.
 
@@ -376,10 +388,11 @@ def loss_scale_optimizer(
       out, inner_state = apply_inner(*operands)
       return out, state._replace(inner_state=inner_state)
 
-    # Read only by reductions (the check, the recorded flags), so the
-    # unscaling fuses into them and is never written out.
-    unscaled = ls.unscale(grads)
-    new_ls, should_apply = ls.update(unscaled, axis_name=axis_name)
+    # Read only by reductions (the check, the recorded flags). Where the scale
+    # cannot change which gradients are finite, they read the gradient buffers
+    # as they are: one pass that writes nothing (BENCHMARKS.md, finding 2).
+    checked = grads if _scaling_keeps_finiteness(ls) else ls.unscale(grads)
+    new_ls, should_apply = ls.update(checked, axis_name=axis_name)
 
     def skip_inner(
       grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
@@ -403,7 +416,7 @@ def loss_scale_optimizer(
     nonfinite_leaves = state.nonfinite_leaves
     if record_nonfinite_leaves:
       nonfinite_leaves = overflow_guard.update_nonfinite_leaves(
-        nonfinite_leaves, unscaled, should_apply, axis_name
+        nonfinite_leaves, checked, should_apply, axis_name
       )
     if guard is not None:
       consecutive_skips = guard(ls, should_apply, consecutive_skips, grads)
