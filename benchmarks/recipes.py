@@ -194,3 +194,4 @@ VARIANTS: dict[str, Callable[[optax.GradientTransformation, LossFn], Recipe]] = 
   ),
 }
 BASELINE = "bare optax"
+ONE_READ = "bare + one read of grads"
