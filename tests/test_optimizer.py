@@ -188,6 +188,42 @@ class SkipSemanticsTest(chex.TestCase):
     # The state's types are now stable: the next step reuses the executable.
     step(scaled, applied, params)
 
+  @parameterized.product(skip_mode=["cond", "select"], fused=[False, True])
+  def test_a_scale_below_one_overflows_in_the_unscaling(self, skip_mode, fused):
+    # 1/S = 2 turns a finite 3e38 into Inf: TensorFlow checks the unscaled
+    # gradients, so the step is skipped although the scaled ones are finite.
+    # (With min_loss_scale >= 1 the wrapper may check the scaled ones instead.)
+    ls = ols.DynamicLossScale(0.5, min_loss_scale=0.25)
+    tx = ols.loss_scale_optimizer(optax.sgd(1.0), ls, skip_mode=skip_mode)
+    params = {"w": jnp.zeros(2)}
+    grads = {"w": jnp.array([3e38, 1.0], jnp.float32)}
+    if fused:
+      new_params, state = jax.jit(ols.apply_gradients, static_argnums=0)(
+        tx, grads, tx.init(params), params
+      )
+      chex.assert_trees_all_equal(new_params, params)
+    else:
+      _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    self.assertFalse(bool(state.last_step_applied))
+    self.assertEqual(float(state.loss_scale()), 0.25)
+    # At S = 1 the same gradients are finite and applied.
+    tx = ols.loss_scale_optimizer(optax.sgd(1.0), ols.DynamicLossScale(1.0))
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    self.assertTrue(bool(state.last_step_applied))
+
+  def test_a_subclass_with_its_own_update_sees_unscaled_gradients(self):
+    seen = []
+
+    class Recording(ols.DynamicLossScale):
+      def update(self, grads, axis_name=None):
+        seen.append(grads)
+        return super().update(grads, axis_name)
+
+    tx = ols.loss_scale_optimizer(optax.sgd(1.0), Recording(8.0))
+    params = {"w": jnp.zeros(2)}
+    tx.update({"w": jnp.full(2, 8.0)}, tx.init(params), params)
+    chex.assert_trees_all_equal(seen, [{"w": jnp.ones(2)}])
+
   def test_fixed_loss_scale_never_skips(self):
     tx = ols.loss_scale_optimizer(optax.sgd(1.0), 8)
     params = make_params()

@@ -265,7 +265,14 @@ def loss_scale_optimizer(
   never reach memory. With power-of-two scales (the dynamic default) they are
   the true gradients bit for bit; the inner arithmetic is then the unwrapped
   optimizer's, fused as XLA fuses it, which (as between any two XLA
-  programs) may round a multiply-add differently in the last bit.
+  programs) may round a multiply-add differently in the last bit. With
+  `min_loss_scale >= 1` (the default) the finiteness check reads the scaled
+  gradients as they are, which gives the same answer: dividing by a scale of
+  at least 1 cannot change which values are finite.
+
+  To step, `apply_gradients(tx, grads, state, params)` is cheaper than
+  `update` followed by `optax.apply_updates`: it applies the updates inside
+  the skip branch, so they are never written to memory.
 
   For gradient accumulation wrap `optax.MultiSteps` (pass
   `optax.MultiSteps(inner, k).gradient_transformation()` as `inner`): each
