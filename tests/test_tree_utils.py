@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import chex
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,31 @@ class AllFiniteTest(chex.TestCase):
   def test_complex_leaves_are_checked(self):
     tree = [jnp.array([1 + 1j, complex(0, np.inf)], jnp.complex64)]
     self.assertFalse(bool(self.variant(ols.all_finite)(tree)))
+
+
+# float16 and the 8-bit floats take the uint8-min check, the others a sum of
+# x - x; both must agree with numpy on every input, extremes included.
+CHECK_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2]
+_SPECIALS = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 1e-45, 3e38, -3e38, 65504.0, 448.0]
+_check = jax.jit(ols.all_finite)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+  dtype=st.sampled_from(CHECK_DTYPES),
+  size=st.integers(1, 300),
+  specials=st.lists(st.tuples(st.integers(0, 299), st.sampled_from(_SPECIALS)), max_size=4),
+  seed=st.integers(0, 2**16),
+)
+def test_all_finite_matches_numpy_for_any_values(dtype, size, specials, seed):
+  x = np.random.default_rng(seed).standard_normal(size).astype(np.float32) * 100
+  for index, value in specials:
+    x[index % size] = value
+  # The cast is where a value overflows the narrow dtypes (e.g. 3e38 in float16).
+  x = jnp.asarray(x).astype(dtype)
+  expected = bool(np.all(np.isfinite(np.asarray(x).astype(np.float32))))
+  assert bool(_check({"x": x, "y": jnp.ones(3)})) is expected
+  assert bool(ols.all_finite([x])) is expected
 
 
 @pytest.mark.parametrize("tree", [None, {}, [], (None, {"x": None}), {"i": jnp.arange(3)}])

@@ -57,13 +57,19 @@ def make_tx(skip_mode: str = "auto", axis_name: Any = None) -> ols.LossScaleOpti
 
 
 def make_train_step(
-  tx: ols.LossScaleOptimizer, gather: Callable[[Any], Any] = lambda p: p
+  tx: ols.LossScaleOptimizer, gather: Callable[[Any], Any] = lambda p: p, fused: bool = False
 ) -> Callable[..., Any]:
-  """A train step; `gather` all-gathers FSDP-sharded parameters for the forward pass."""
+  """A train step; `gather` all-gathers FSDP-sharded parameters for the forward pass.
+
+  With `fused`, it steps with `ols.apply_gradients` instead of `update` and
+  `optax.apply_updates`.
+  """
 
   def train_step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any]:
     scaled = lambda p: ols.get_scaled_loss(loss_fn(gather(p), batch), opt_state)
     grads = jax.grad(scaled)(params)
+    if fused:
+      return ols.apply_gradients(tx, grads, opt_state, params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 

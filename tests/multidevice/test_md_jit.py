@@ -97,11 +97,12 @@ def _reference_run(skip_mode: str) -> tuple[Any, list[bool], list[float]]:
   return params, applied, scales
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
 @pytest.mark.parametrize("skip_mode", ["cond", "select"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_jit_sharded_training_skips_everywhere_and_keeps_shardings(
-  axis_type: AxisType, layout: str, skip_mode: str
+  axis_type: AxisType, layout: str, skip_mode: str, fused: bool
 ) -> None:
   mesh = _mesh(axis_type)
   param_shardings = {k: NamedSharding(mesh, spec) for k, spec in LAYOUTS[layout].items()}
@@ -114,7 +115,7 @@ def test_jit_sharded_training_skips_everywhere_and_keeps_shardings(
     if axis_type == AxisType.Explicit:
       # Explicit sharding makes the FSDP all-gather part of the model code.
       gather = lambda p: jax.tree.map(lambda x: jax.reshard(x, P()), p)
-    step = jax.jit(md_model.make_train_step(tx, gather))
+    step = jax.jit(md_model.make_train_step(tx, gather, fused))
     params_in, state_in = params, opt_state
     # Adam's moments live where their parameters live.
     adam = opt_state.inner_state[0]

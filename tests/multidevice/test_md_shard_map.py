@@ -104,10 +104,14 @@ def test_tuple_of_axes_agrees_across_all_of_them_and_one_name_only_along_it() ->
   np.testing.assert_array_equal(per_shard("x"), [[y != 2 for y in range(4)]] * 2)
 
 
-def _sharded_step(tx: ols.LossScaleOptimizer, mesh: jax.sharding.Mesh, state_specs: Any) -> Any:
+def _sharded_step(
+  tx: ols.LossScaleOptimizer, mesh: jax.sharding.Mesh, state_specs: Any, fused: bool = False
+) -> Any:
   """A shard_map update: params, grads and moments sharded, scalars replicated."""
 
   def step(w: jax.Array, state: Any, g: jax.Array) -> tuple[jax.Array, Any]:
+    if fused:
+      return ols.apply_gradients(tx, g, state, w)
     updates, state = tx.update(g, state, w)
     return optax.apply_updates(w, updates), state
 
@@ -118,8 +122,11 @@ def _sharded_step(tx: ols.LossScaleOptimizer, mesh: jax.sharding.Mesh, state_spe
   )
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
 @pytest.mark.parametrize("skip_mode", ["cond", "select"])
-def test_wrapper_in_shard_map_skips_on_every_shard_with_axis_name(skip_mode: str) -> None:
+def test_wrapper_in_shard_map_skips_on_every_shard_with_axis_name(
+  skip_mode: str, fused: bool
+) -> None:
   mesh = _mesh_1d()
   tx = ols.loss_scale_optimizer(
     optax.adam(0.1), ols.DynamicLossScale(8.0), skip_mode=skip_mode, axis_name="d"
@@ -129,7 +136,7 @@ def test_wrapper_in_shard_map_skips_on_every_shard_with_axis_name(skip_mode: str
     state = jax.jit(tx.init)(w)
     state_specs = jax.tree.map(lambda x: x.sharding.spec, state)
     assert state_specs.loss_scale.loss_scale == P()
-    step = _sharded_step(tx, mesh, state_specs)
+    step = _sharded_step(tx, mesh, state_specs, fused)
 
     # A finite step applies on every shard exactly as one device would.
     scale = float(ols.get_loss_scale(state)())
