@@ -207,17 +207,47 @@ def _scaling_keeps_finiteness(ls: loss_scale_lib.LossScale) -> bool:
   return type(ls).update is dynamic_loss_scale.DynamicLossScale.update and ls.min_loss_scale >= 1
 
 
-def _zeros_and_passthrough(shapes: tuple[Any, Any], old_state: Any) -> tuple[Any, Any]:
-  """Skip-branch outputs typed exactly like the apply branch's.
+def _varying_axes(x: Any) -> frozenset[Any]:
+  """The `shard_map` mesh axes `x` (a value or a ShapeDtypeStruct) varies over."""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9; `vma` before
+  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
 
-  The updates become zeros; the old inner state is returned as is, cast only
-  where the inner transformation itself would change a leaf's dtype (e.g.
-  bf16 moments fed f32 gradients), so both branches of `lax.cond` agree.
+
+def _typed_like(old: Any, shape: jax.ShapeDtypeStruct, what: str) -> jax.Array:
+  """`old`, unchanged in value, typed like the apply branch's `shape`.
+
+  Cast only where the apply branch changes a leaf's dtype (e.g. bf16 moments
+  fed f32 gradients), and marked as varying over the `shard_map` axes the
+  apply branch's leaf varies over (a type change only), so that both branches
+  of `lax.cond` agree.
   """
-  update_shapes, state_shapes = shapes
-  # zeros_like of a ShapeDtypeStruct keeps its sharding and, inside
-  # shard_map, the mesh axes it varies over, which cond requires to match.
-  zeros = jax.tree.map(lambda s: jnp.zeros_like(s, dtype=s.dtype), update_shapes)
+  old = jnp.asarray(old)
+  if old.shape != shape.shape:
+    raise ValueError(
+      f"The inner transformation changes a {what} leaf's shape from {old.shape}"
+      f" to {shape.shape}; it cannot be skipped."
+    )
+  if old.dtype != shape.dtype:
+    old = old.astype(shape.dtype)
+  missing = _varying_axes(shape) - _varying_axes(old)
+  if missing:
+    if hasattr(jax.lax, "pcast"):
+      old = jax.lax.pcast(old, tuple(missing), to="varying")
+    else:  # jax < 0.8
+      old = jax.lax.pvary(old, tuple(missing))
+  return old
+
+
+def _skip_outputs(
+  shapes: tuple[Any, Any], old_state: Any, old_params: Any | None
+) -> tuple[Any, Any]:
+  """Skip-branch outputs typed exactly like the apply branch's `shapes`.
+
+  The inner state is returned as it was. The first output is the params as
+  they were when given (`apply_gradients`), else zero updates.
+  """
+  out_shapes, state_shapes = shapes
   state_def = jax.tree.structure(state_shapes)
   if jax.tree.structure(old_state) != state_def:
     raise ValueError(
@@ -225,17 +255,12 @@ def _zeros_and_passthrough(shapes: tuple[Any, Any], old_state: Any) -> tuple[Any
       " init and update, so a skipped step cannot return the old state:"
       f" {jax.tree.structure(old_state)} vs {state_def}."
     )
-
-  def cast(old: Any, shape: jax.ShapeDtypeStruct) -> Any:
-    old = jnp.asarray(old)
-    if old.shape != shape.shape:
-      raise ValueError(
-        f"The inner transformation changes a state leaf's shape from {old.shape}"
-        f" to {shape.shape}; it cannot be skipped."
-      )
-    return old if old.dtype == shape.dtype else old.astype(shape.dtype)
-
-  return zeros, jax.tree.map(cast, old_state, state_shapes)
+  state = jax.tree.map(lambda x, s: _typed_like(x, s, "state"), old_state, state_shapes)
+  if old_params is not None:
+    return jax.tree.map(lambda x, s: _typed_like(x, s, "params"), old_params, out_shapes), state
+  # zeros_like of a ShapeDtypeStruct keeps its sharding and, inside
+  # shard_map, the mesh axes it varies over, which cond requires to match.
+  return jax.tree.map(lambda s: jnp.zeros_like(s, dtype=s.dtype), out_shapes), state
 
 
 def loss_scale_optimizer(
@@ -405,8 +430,7 @@ def loss_scale_optimizer(
       grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
     ) -> tuple[Any, optax.OptState]:
       shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
-      zeros, old_inner_state = _zeros_and_passthrough(shapes, inner_state)
-      return (params if apply_to_params else zeros), old_inner_state
+      return _skip_outputs(shapes, inner_state, params if apply_to_params else None)
 
     if resolved_mode == "cond":
       # The pass-through is the false branch: XLA then aliases the state

@@ -165,6 +165,44 @@ def test_wrapper_in_shard_map_skips_on_every_shard_with_axis_name(
   assert jax.tree.map(lambda x: x.sharding.spec, state2) == state_specs
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize("skip_mode", ["cond", "select"])
+def test_replicated_params_with_per_shard_gradients(skip_mode: str, fused: bool) -> None:
+  """Params enter replicated, gradients vary by shard, so the new params and
+  moments vary by shard too; the skip branch's untouched params and moments
+  must be typed as varying for `cond` to accept both branches."""
+  mesh = _mesh_1d()
+  tx = ols.loss_scale_optimizer(
+    optax.adam(0.1), ols.DynamicLossScale(8.0), skip_mode=skip_mode, axis_name="d"
+  )
+  w = jnp.arange(2.0)
+
+  def step(w: jax.Array, g: jax.Array) -> tuple[jax.Array, Any]:
+    state = tx.init(w)
+    if fused:
+      return ols.apply_gradients(tx, g, state, w)
+    updates, state = tx.update(g, state, w)
+    return optax.apply_updates(w, updates), state
+
+  state_specs = jax.tree.map(lambda x: P("d") if x.ndim else P(), jax.eval_shape(tx.init, w))
+  sharded = jax.jit(
+    jax.shard_map(step, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P("d"), state_specs))
+  )
+  with jax.set_mesh(mesh):
+    new_w, state = sharded(w, _on(mesh, _grads(bad=False) * 8.0, P("d")))
+    assert bool(state.last_step_applied)
+    # Adam is elementwise: each shard's step is plain Adam on its own entries.
+    tiled = jnp.tile(w, 8)
+    ref_updates, _ = optax.adam(0.1).update(
+      jnp.asarray(_grads(bad=False)), optax.adam(0.1).init(tiled)
+    )
+    np.testing.assert_allclose(np.asarray(new_w), np.asarray(tiled + ref_updates), rtol=1e-6)
+    new_w, state = sharded(w, _on(mesh, _grads() * 8.0, P("d")))
+  assert not bool(state.last_step_applied)
+  np.testing.assert_array_equal(np.asarray(new_w), np.tile(np.arange(2.0), 8))
+  np.testing.assert_array_equal(np.asarray(state.inner_state[0].mu), np.zeros(16))
+
+
 @pytest.mark.parametrize("skip_mode", ["cond", "select"])
 def test_wrapper_in_shard_map_without_axis_name_lets_shards_diverge(skip_mode: str) -> None:
   """Why axis_name is needed: each shard would decide on its own gradients."""
