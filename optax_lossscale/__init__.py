@@ -1,5 +1,6 @@
 """optax_lossscale: mixed-precision loss scaling for JAX, the optax way."""
 
+from optax_lossscale._src.apply_gradients import apply_gradients
 from optax_lossscale._src.dynamic_loss_scale import DynamicLossScale
 from optax_lossscale._src.grad import value_and_grad
 from optax_lossscale._src.gradient_report import (
@@ -12,7 +13,6 @@ from optax_lossscale._src.loss_scale import FixedLossScale, LossScale, NoOpLossS
 from optax_lossscale._src.optimizer import (
   LossScaleOptimizer,
   LossScaleOptimizerState,
-  apply_gradients,
   loss_scale_optimizer,
 )
 from optax_lossscale._src.overflow_guard import OverflowGuardError

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from absl.testing import parameterized
 import chex
 import jax
@@ -186,6 +188,26 @@ class FallbackTest(parameterized.TestCase):
     expected = jax.jit(reference)(grads, state, params)
     got = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(grads, state, params)
     chex.assert_trees_all_equal(got, expected)
+
+  def test_a_wrapped_update_is_not_bypassed(self):
+    # functools.wraps copies the wrapper's settings onto the new function; the
+    # fused step would skip the wrapping, so apply_gradients must not take it.
+    tx = ols.loss_scale_optimizer(optax.sgd(1.0), ols.DynamicLossScale(2.0))
+    calls = []
+
+    @functools.wraps(tx.update)
+    def logged_update(grads, state, params=None, **extra):
+      calls.append(1)
+      return tx.update(grads, state, params, **extra)
+
+    logged = tx._replace(update=logged_update)
+    params = {"w": jnp.ones(2)}
+    new_params, _ = ols.apply_gradients(
+      logged, {"w": jnp.full(2, 2.0)}, logged.init(params), params
+    )
+    self.assertEqual(calls, [1])
+    np.testing.assert_array_equal(new_params["w"], [0.0, 0.0])
+    self.assertTrue(logged.dynamic)  # the Keras-style attributes still work
 
   def test_errors(self):
     tx = ols.loss_scale_optimizer(optax.sgd(1.0))

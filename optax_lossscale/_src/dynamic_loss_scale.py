@@ -17,6 +17,9 @@ The algorithm, per step, on the unscaled gradients::
 
 With the default hyper-parameters the trajectory of `S` is bit-identical to
 TensorFlow's `tf.mixed_precision.experimental.DynamicLossScale`.
+(`loss_scale_optimizer` hands `update` the scaled gradients when
+`min_loss_scale >= 1`: dividing by S >= 1 changes no value's finiteness, so
+the answer is the same and the check reads no product.)
 """
 
 from __future__ import annotations

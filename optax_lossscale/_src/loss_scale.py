@@ -115,6 +115,9 @@ class LossScale(abc.ABC):
 
     Only the array state can be replaced; hyper-parameters are fixed at
     construction, where they are validated: build a new object to change one.
+    The new state is not validated (it may be traced): a `DynamicLossScale`'s
+    scale must stay within [min_loss_scale, max_loss_scale], which
+    `loss_scale_optimizer` relies on.
     """
     unknown = set(state) - set(self._state_fields)
     if unknown:

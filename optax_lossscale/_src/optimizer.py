@@ -20,6 +20,7 @@ from optax_lossscale._src import (
   dynamic_loss_scale,
   overflow_guard,
   serialization,
+  skip_branch,
   tree_utils,
   validation,
 )
@@ -202,65 +203,15 @@ def _scaling_keeps_finiteness(ls: loss_scale_lib.LossScale) -> bool:
   gradient nor makes a NaN or Inf finite, so checking the scaled gradients
   gives TensorFlow's answer. `DynamicLossScale` keeps S within
   [min_loss_scale, max_loss_scale], so `min_loss_scale >= 1` (the default)
-  guarantees it; a subclass with its own `update` gets the unscaled gradients.
+  guarantees it, as long as nobody sets the scale below `min_loss_scale` by
+  hand (`replace` cannot check a traced value). A subclass that changes how
+  the scale is updated or applied gets the unscaled gradients.
   """
-  return type(ls).update is dynamic_loss_scale.DynamicLossScale.update and ls.min_loss_scale >= 1
-
-
-def _varying_axes(x: Any) -> frozenset[Any]:
-  """The `shard_map` mesh axes `x` (a value or a ShapeDtypeStruct) varies over."""
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9; `vma` before
-  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
-
-
-def _typed_like(old: Any, shape: jax.ShapeDtypeStruct, what: str) -> jax.Array:
-  """`old`, unchanged in value, typed like the apply branch's `shape`.
-
-  Cast only where the apply branch changes a leaf's dtype (e.g. bf16 moments
-  fed f32 gradients), and marked as varying over the `shard_map` axes the
-  apply branch's leaf varies over (a type change only), so that both branches
-  of `lax.cond` agree.
-  """
-  old = jnp.asarray(old)
-  if old.shape != shape.shape:
-    raise ValueError(
-      f"The inner transformation changes a {what} leaf's shape from {old.shape}"
-      f" to {shape.shape}; it cannot be skipped."
-    )
-  if old.dtype != shape.dtype:
-    old = old.astype(shape.dtype)
-  missing = _varying_axes(shape) - _varying_axes(old)
-  if missing:
-    if hasattr(jax.lax, "pcast"):
-      old = jax.lax.pcast(old, tuple(missing), to="varying")
-    else:  # jax < 0.8
-      old = jax.lax.pvary(old, tuple(missing))
-  return old
-
-
-def _skip_outputs(
-  shapes: tuple[Any, Any], old_state: Any, old_params: Any | None
-) -> tuple[Any, Any]:
-  """Skip-branch outputs typed exactly like the apply branch's `shapes`.
-
-  The inner state is returned as it was. The first output is the params as
-  they were when given (`apply_gradients`), else zero updates.
-  """
-  out_shapes, state_shapes = shapes
-  state_def = jax.tree.structure(state_shapes)
-  if jax.tree.structure(old_state) != state_def:
-    raise ValueError(
-      "The inner transformation changed the structure of its state between"
-      " init and update, so a skipped step cannot return the old state:"
-      f" {jax.tree.structure(old_state)} vs {state_def}."
-    )
-  state = jax.tree.map(lambda x, s: _typed_like(x, s, "state"), old_state, state_shapes)
-  if old_params is not None:
-    return jax.tree.map(lambda x, s: _typed_like(x, s, "params"), old_params, out_shapes), state
-  # zeros_like of a ShapeDtypeStruct keeps its sharding and, inside
-  # shard_map, the mesh axes it varies over, which cond requires to match.
-  return jax.tree.map(lambda s: jnp.zeros_like(s, dtype=s.dtype), out_shapes), state
+  base = dynamic_loss_scale.DynamicLossScale
+  same_rules = all(
+    getattr(type(ls), method) is getattr(base, method) for method in ("update", "adjust", "unscale")
+  )
+  return same_rules and ls.min_loss_scale >= 1
 
 
 def loss_scale_optimizer(
@@ -430,7 +381,7 @@ def loss_scale_optimizer(
       grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
     ) -> tuple[Any, optax.OptState]:
       shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
-      return _skip_outputs(shapes, inner_state, params if apply_to_params else None)
+      return skip_branch.skip_outputs(shapes, inner_state, params if apply_to_params else None)
 
     if resolved_mode == "cond":
       # The pass-through is the false branch: XLA then aliases the state
@@ -485,6 +436,7 @@ def loss_scale_optimizer(
       "skip_mode": resolved_mode,
       "axis_name": axis_name,
       "diagnostics": diagnostics,
+      "update": update_fn,
       "apply_gradients": apply_gradients_fn,
     },
   )
@@ -492,64 +444,12 @@ def loss_scale_optimizer(
 
 
 def fused_apply_gradients(optimizer: optax.GradientTransformation) -> Callable[..., Any] | None:
-  """`(grads, state, params, **extra) -> (params, state)` of a wrapper, else None."""
-  settings = getattr(optimizer.update, _SETTINGS_ATTR, None)
-  return None if settings is None else settings["apply_gradients"]
+  """`(grads, state, params, **extra) -> (params, state)` of a wrapper, else None.
 
-
-def apply_gradients(
-  optimizer: optax.GradientTransformation,
-  grads: optax.Updates,
-  opt_state: optax.OptState,
-  params: optax.Params,
-  **extra_args: Any,
-) -> tuple[optax.Params, optax.OptState]:
-  """`optimizer.update` then `optax.apply_updates`, as one step.
-
-  For a `loss_scale_optimizer` the parameter update runs inside the skip
-  branch: on an applied step the updates fuse into the new parameters and are
-  never written to memory, and on a skipped step the parameters are returned
-  untouched (bit for bit, no `p + 0`) without being read. This is the
-  cheapest way to step (see BENCHMARKS.md); the result is the same as
-
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-
-  which is what this function does for any other transformation, including
-  a chain that merely contains a `loss_scale_optimizer`.
-
-  Args:
-    optimizer: an optax transformation, typically a `loss_scale_optimizer`.
-    grads: the gradients (of the **scaled** loss for a `loss_scale_optimizer`).
-    opt_state: the optimizer's state.
-    params: the parameters; required.
-    **extra_args: passed on to `optimizer.update`.
-
-  Returns:
-    `(new_params, new_opt_state)`.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_lossscale as ols
-    >>> tx = ols.loss_scale_optimizer(optax.sgd(0.5), initial_scale=2.0**8)
-    >>> params = {'w': jnp.ones(2)}
-    >>> state = tx.init(params)
-    >>> params, state = ols.apply_gradients(tx, {'w': jnp.full(2, 256.0)}, state, params)
-    >>> params['w']
-    Array([0.5, 0.5], dtype=float32)
-    >>> params, state = ols.apply_gradients(tx, {'w': jnp.full(2, jnp.inf)}, state, params)
-    >>> params['w'], int(state.total_skips)
-    (Array([0.5, 0.5], dtype=float32), 1)
+  None also when `update` was wrapped (`functools.wraps` copies the settings
+  attribute): the fused step would bypass the wrapping.
   """
-  if not isinstance(optimizer, optax.GradientTransformation):
-    raise TypeError(
-      "optimizer must be an optax.GradientTransformation, e.g."
-      f" loss_scale_optimizer(optax.adam(1e-3)); got {type(optimizer).__name__}."
-    )
-  if params is None:
-    raise ValueError("params must be given: apply_gradients returns the updated params.")
-  fused = fused_apply_gradients(optimizer)
-  if fused is not None:
-    return fused(grads, opt_state, params, **extra_args)
-  updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
-  return optax.apply_updates(params, updates), opt_state
+  settings = getattr(optimizer.update, _SETTINGS_ATTR, None)
+  if settings is None or settings["update"] is not optimizer.update:
+    return None
+  return settings["apply_gradients"]

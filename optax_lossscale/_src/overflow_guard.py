@@ -82,7 +82,7 @@ def _leaf_nonfinite(g: Any) -> jax.Array:
 
 def update_nonfinite_leaves(
   previous: Any,
-  unscaled_grads: Any,
+  checked_grads: Any,
   should_apply: jax.Array,
   axis_name: tree_utils.AxisName = None,
 ) -> Any:
@@ -90,8 +90,9 @@ def update_nonfinite_leaves(
 
   Args:
     previous: the flags in the state, a tree shaped like the parameters.
-    unscaled_grads: the gradients the wrapper checked; same leaves as
-      `previous` (a `None` gradient counts as one finite leaf).
+    checked_grads: the gradients the wrapper checked (scaled or unscaled,
+      finite in the same places); same leaves as `previous` (a `None`
+      gradient counts as one finite leaf).
     should_apply: whether this step is applied.
     axis_name: mapped axes whose shards are OR-ed, so every replica records
       the same flags.
@@ -100,7 +101,7 @@ def update_nonfinite_leaves(
     A tree with the structure of `previous`.
   """
   treedef = jax.tree.structure(previous)
-  grads_leaves = jax.tree.leaves(unscaled_grads, is_leaf=_is_none)
+  grads_leaves = jax.tree.leaves(checked_grads, is_leaf=_is_none)
   if len(grads_leaves) != treedef.num_leaves:
     raise ValueError(
       "record_nonfinite_leaves needs gradients with the same leaves as the"
