@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import optax_lossscale as ols
+
 CHECKS = {
   "plain read": lambda x: jnp.sum(x) != 12345,
   "jnp.all": lambda x: jnp.all(jnp.isfinite(x)),
@@ -34,15 +36,14 @@ CHECKS = {
 }
 
 
-def _compile(check, raw: bool, grads, scale):
-  def fn(grads, scale):
-    leaves = jax.tree.leaves(grads)
-    if not raw:
-      leaves = [g * (1 / scale).astype(g.dtype) for g in leaves]
+def _compile(check, raw: bool, grads, loss_scale):
+  def fn(grads, loss_scale):
+    # The library's own unscaling: in float32 at least, back to each dtype.
+    leaves = jax.tree.leaves(grads if raw else loss_scale.unscale(grads))
     flags = [check(g) for g in leaves]
     return jnp.all(jnp.stack(flags))
 
-  return jax.jit(fn).lower(grads, scale).compile()
+  return jax.jit(fn).lower(grads, loss_scale).compile()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--sizes", default="4,64", help="millions of elements (2**20)")
   args = parser.parse_args(argv)
-  scale = jnp.float32(2.0**15)
+  scale = ols.DynamicLossScale()  # a traced scale, as in a train step
   for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
     for millions in (int(m) for m in args.sizes.split(",")):
       n = millions * 2**20

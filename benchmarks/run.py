@@ -44,7 +44,7 @@ PLOT_OMITS = frozenset({"ols auto", "ols cond + guard", "ols cond + record leave
 
 @contextlib.contextmanager
 def _jnp_all_check() -> Iterator[None]:
-  """Traces with the finiteness check as it was before the uint8-min change."""
+  """Traces with `jnp.all(jnp.isfinite(x))`, the first per-leaf check, instead."""
   saved = tree_utils.leaf_all_finite
   tree_utils.leaf_all_finite = lambda x: jnp.all(jnp.isfinite(x))
   try:
@@ -170,6 +170,19 @@ def measure(
     name: bool(all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(run["params"])))
     for name, run in runs.items()
   }
+  # Whether a variant's params still equal the workload's: a skipped-step
+  # workload must leave every loss-scaling recipe's params where they were.
+  unchanged = {
+    name: bool(
+      all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(
+          jax.tree.leaves(run["params"]), jax.tree.leaves(workload.params), strict=True
+        )
+      )
+    )
+    for name, run in runs.items()
+  }
   return {
     "name": workload.name,
     "kind": kind,
@@ -179,6 +192,7 @@ def measure(
     "rounds": rounds,
     "steps_per_round": steps,
     "params_finite_after": finite,
+    "params_unchanged_after": unchanged,
     "results": results,
   }
 

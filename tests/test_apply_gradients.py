@@ -129,27 +129,28 @@ class SkipTest(chex.TestCase):
     chex.assert_trees_all_equal_dtypes(applied_params, params)
     self.assertFalse(bool(jnp.all(applied_params["w"] == params["w"])))
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_fixed_loss_scale_always_applies(self):
     tx = ols.loss_scale_optimizer(optax.sgd(1.0), 8)
     params = make_params()
     grads = corrupt(jax.tree.map(jnp.ones_like, params), "nan")
-    new_params, state = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(
+    new_params, state = self.variant(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(
       grads, tx.init(params), params
     )
     self.assertTrue(np.isnan(np.asarray(new_params["w"])).any())
     np.testing.assert_array_equal(new_params["b"], np.asarray(params["b"]) - 1 / 8)
     self.assertTrue(bool(state.last_step_applied))
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_none_leaves_pass_through(self):
     tx = ols.loss_scale_optimizer(optax.sgd(1.0), ols.DynamicLossScale(4.0))
+    apply = self.variant(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
     params = {"w": jnp.ones(2), "frozen": None}
     state = tx.init(params)
-    params, state = ols.apply_gradients(tx, {"w": jnp.full(2, 8.0), "frozen": None}, state, params)
+    params, state = apply({"w": jnp.full(2, 8.0), "frozen": None}, state, params)
     np.testing.assert_array_equal(params["w"], [-1.0, -1.0])
     self.assertIsNone(params["frozen"])
-    skipped, state = ols.apply_gradients(
-      tx, {"w": jnp.full(2, jnp.nan), "frozen": None}, state, params
-    )
+    skipped, state = apply({"w": jnp.full(2, jnp.nan), "frozen": None}, state, params)
     chex.assert_trees_all_equal(skipped, params)
     self.assertFalse(bool(state.last_step_applied))
 

@@ -98,11 +98,11 @@ def test_temporaries_are_at_most_the_updates():
 
 
 def test_apply_gradients_allocates_no_full_size_temporary():
-  # Inside the branch the updates fuse into the new params: what is left is
-  # the check's one-byte-per-element finiteness flags, a quarter of PARAM_BYTES.
+  # Inside the branch the updates fuse into the new params, and the check of
+  # float32 gradients is a sum that writes nothing: only scalars remain.
   bare = _compiled(optax.adam(1e-3)).memory_analysis().temp_size_in_bytes
   fused = _compiled(WRAPPED["cond"](), fused=True).memory_analysis().temp_size_in_bytes
-  assert fused <= bare + PARAM_BYTES // 4 + 4096, (fused, bare)
+  assert fused <= bare + 4096, (fused, bare)
 
 
 @FUSED

@@ -29,8 +29,9 @@ def apply_gradients(
   For a `loss_scale_optimizer` the parameter update runs inside the skip
   branch: on an applied step the updates fuse into the new parameters and are
   never written to memory, and on a skipped step the parameters are returned
-  untouched (bit for bit, no `p + 0`) without being read. This is the
-  cheapest way to step (see BENCHMARKS.md); the result is the same as
+  untouched (bit for bit, no `p + 0`; with `skip_mode='cond'` without being
+  read). This is the cheapest way to step (see BENCHMARKS.md); the result is
+  the same as
 
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)

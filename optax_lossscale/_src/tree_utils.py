@@ -72,9 +72,10 @@ _SUM_CHECKED = frozenset(
 
 def leaf_all_finite(x: jax.Array) -> jax.Array:
   """Whether every element of the non-empty array `x` is finite, as a bool scalar."""
-  # Each leaf is read once, by whichever reduction XLA:CPU runs fastest
-  # (BENCHMARKS.md). `x - x` is 0 for finite x and NaN for NaN or +-Inf, and a
-  # sum keeps any NaN, so for most dtypes one sum that writes nothing decides:
+  # Each leaf is read once, by a reduction that writes no temporary where
+  # XLA:CPU allows (BENCHMARKS.md, finding 3: past 32 MiB a flags array costs
+  # page faults, several times a plain read). `x - x` is 0 for finite x and NaN
+  # for NaN or +-Inf, and a sum keeps any NaN, so one sum decides:
   # XLA folds `x - x` to 0 only under fast-math, which would fold `isfinite`
   # too. XLA:CPU sums float16 through a float32 temporary, so float16 and the
   # 8-bit floats take a min over uint8 flags (an integer min has no NaN
