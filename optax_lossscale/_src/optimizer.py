@@ -373,7 +373,7 @@ def loss_scale_optimizer(
 
     # Read only by reductions (the check, the recorded flags). Where the scale
     # cannot change which gradients are finite, they read the gradient buffers
-    # as they are: one pass that writes nothing (BENCHMARKS.md, finding 2).
+    # as they are: one pass that writes nothing (BENCHMARKS.md, finding 3).
     checked = grads if _scaling_keeps_finiteness(ls) else ls.unscale(grads)
     new_ls, should_apply = ls.update(checked, axis_name=axis_name)
 
