@@ -377,19 +377,24 @@ def loss_scale_optimizer(
     checked = grads if _scaling_keeps_finiteness(ls) else ls.unscale(grads)
     new_ls, should_apply = ls.update(checked, axis_name=axis_name)
 
-    def skip_inner(
-      grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
-    ) -> tuple[Any, optax.OptState]:
-      shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
-      return skip_branch.skip_outputs(shapes, inner_state, params if apply_to_params else None)
-
     if resolved_mode == "cond":
+
+      def skip_inner(
+        grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
+      ) -> tuple[Any, optax.OptState]:
+        shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
+        return skip_branch.skip_outputs(shapes, inner_state, params if apply_to_params else None)
+
       # The pass-through is the false branch: XLA then aliases the state
       # buffers instead of copying them.
       out, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
     else:
       new_out, new_inner_state = apply_inner(*operands)
-      old_out, old_inner_state = skip_inner(*operands)
+      # The applied outputs' types, read off them rather than by tracing the
+      # inner update a second time.
+      shapes = jax.eval_shape(lambda tree: tree, (new_out, new_inner_state))
+      old_params = params if apply_to_params else None
+      old_out, old_inner_state = skip_branch.skip_outputs(shapes, state.inner_state, old_params)
       out = tree_utils.select_tree(should_apply, new_out, old_out)
       inner_state = tree_utils.select_tree(should_apply, new_inner_state, old_inner_state)
 
