@@ -81,7 +81,11 @@ def register_loss_scale_serialization(cls: type[loss_scale_lib.LossScale]) -> No
   """  # noqa: E501
   if not (isinstance(cls, type) and issubclass(cls, loss_scale_lib.LossScale)):
     raise TypeError(f"cls must be a subclass of LossScale; got {cls!r}.")
-  serialization.register_serialization_state(cls, _to_state_dict, _from_state_dict, override=True)
+  # Instances are of the class's pytree twin (see `LossScale`): register both.
+  for kind in {cls, cls._Node}:
+    serialization.register_serialization_state(
+      kind, _to_state_dict, _from_state_dict, override=True
+    )
 
 
 for _cls in list(loss_scale_lib.LossScale._registry.values()):

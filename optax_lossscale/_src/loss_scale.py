@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import types
 from typing import Any, ClassVar, TypeVar
 
 import jax
@@ -39,13 +40,45 @@ def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
   return (x.astype(compute_dtype) * factor.astype(compute_dtype)).astype(x.dtype)
 
 
-class LossScale(abc.ABC):
+class _LossScaleType(abc.ABCMeta):
+  """Metaclass of the loss scales: a constructed instance becomes its class's node.
+
+  Every public class `C` has a private twin `C._Node`, a subclass that adds no
+  behaviour and is the type JAX sees. `C(...)` runs `C.__init__` (which
+  validates), then re-classes the instance as `C._Node`.
+  """
+
+  def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+    if cls.__abstractmethods__:
+      missing = ", ".join(sorted(cls.__abstractmethods__))
+      raise TypeError(f"Can't instantiate abstract class {cls.__name__} (missing: {missing}).")
+    obj = super().__call__(*args, **kwargs)
+    object.__setattr__(obj, "__class__", cls._Node)
+    return obj
+
+
+class _NodeType(_LossScaleType):
+  """Metaclass of the twins: plain `type.__call__`, so JAX's rebuild runs no Python."""
+
+  __call__ = type.__call__
+
+
+class LossScale(types.SimpleNamespace, metaclass=_LossScaleType):
   """Base class of the loss scales: a frozen pytree with a common interface.
 
   Subclasses list their array leaves in `_state_fields` and their static
-  hyper-parameters in `_config_fields`; this base class provides the pytree
-  registration (with named keys), immutability, equality, `scale`, `unscale`
-  and serialization.
+  hyper-parameters in `_config_fields`, and set both in `__init__` with
+  `self._set(...)`; this base class provides the pytree registration (with
+  named keys), immutability, equality, `scale`, `unscale` and serialization.
+
+  Calling a jitted step flattens and rebuilds the loss scale on every call,
+  so that path runs no Python: an instance's type is a twin of its class
+  (`type(ls)` is `DynamicLossScale._Node`; `isinstance` works as usual)
+  whose construction is `types.SimpleNamespace`'s, written in C, and which is
+  registered with `jax.tree_util.register_dataclass`, flattened in C++.
+  Hyper-parameters are its static fields; validation runs in the public
+  constructor only, never when JAX rebuilds the object from tracers,
+  `object()` or `ShapeDtypeStruct` leaves.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -62,39 +95,31 @@ class LossScale(abc.ABC):
   _state_fields: ClassVar[tuple[str, ...]] = ()
   _config_fields: ClassVar[tuple[str, ...]] = ()
   _registry: ClassVar[dict[str, type[LossScale]]] = {}
+  _Node: ClassVar[type[LossScale]]
   # The current scale, a float32 scalar: a leaf of the dynamic scales, a
   # constant property of the static ones.
   loss_scale: jax.Array
 
-  def __init_subclass__(cls, **kwargs: Any) -> None:
+  def __init_subclass__(cls, _node: bool = False, **kwargs: Any) -> None:
     super().__init_subclass__(**kwargs)
+    if _node:
+      return
     # First come: a later class of the same name (a user's shim, a reloaded
     # module) never takes over the name `deserialize` resolves.
     LossScale._registry.setdefault(cls.__name__, cls)
-    jax.tree_util.register_pytree_with_keys(
-      cls, cls._tree_flatten_with_keys, cls._tree_unflatten, cls._tree_flatten
+    # C-implemented construction, so rebuilding a node calls no Python; the
+    # qualified name lets pickle find the twin as `C._Node`.
+    namespace = {
+      "__init__": types.SimpleNamespace.__init__,
+      "__module__": cls.__module__,
+      "__qualname__": f"{cls.__qualname__}._Node",
+      "__doc__": cls.__doc__,
+      "_Public": cls,
+    }
+    cls._Node = _NodeType(cls.__name__, (cls,), namespace, _node=True)
+    jax.tree_util.register_dataclass(
+      cls._Node, data_fields=list(cls._state_fields), meta_fields=list(cls._config_fields)
     )
-
-  # -- pytree protocol: no validation or conversion in unflatten, so that JAX
-  # can rebuild the object with tracers, `object()` or `ShapeDtypeStruct`.
-
-  def _tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    children = tuple(getattr(self, f) for f in self._state_fields)
-    return children, tuple(getattr(self, f) for f in self._config_fields)
-
-  def _tree_flatten_with_keys(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    children, aux = self._tree_flatten()
-    keys = tuple(jax.tree_util.GetAttrKey(f) for f in self._state_fields)
-    return tuple(zip(keys, children, strict=True)), aux
-
-  @classmethod
-  def _tree_unflatten(cls: type[_Self], aux: tuple[Any, ...], children: Any) -> _Self:
-    obj = object.__new__(cls)
-    for name, value in zip(cls._config_fields, aux, strict=True):
-      object.__setattr__(obj, name, value)
-    for name, value in zip(cls._state_fields, children, strict=True):
-      object.__setattr__(obj, name, value)
-    return obj
 
   def __setattr__(self, name: str, value: Any) -> None:
     raise dataclasses.FrozenInstanceError(
@@ -125,9 +150,7 @@ class LossScale(abc.ABC):
         f"{type(self).__name__}.replace accepts only the state fields"
         f" {list(self._state_fields)}; got {sorted(unknown)}."
       )
-    children, aux = self._tree_flatten()
-    children = tuple(state.get(f, c) for f, c in zip(self._state_fields, children, strict=True))
-    return self._tree_unflatten(aux, children)
+    return type(self)._Node(**{**vars(self), **state})
 
   # -- the common interface.
 
@@ -153,13 +176,21 @@ class LossScale(abc.ABC):
     """Divides every floating leaf of `tree` by the loss scale.
 
     The division is a multiplication by the float32 reciprocal `1 / S`, as in
-    Keras, and as XLA compiles `x / S` for a scalar `S` anyway: the bits are
-    the same on every backend, and exactly `x / S` for power-of-two scales.
+    Keras, and as XLA compiles `x / S` for a scalar `S` anyway; exactly `x / S`
+    for power-of-two scales. A `FixedLossScale` takes the correctly rounded
+    reciprocal from the host, so eager and jitted code give the same bits on
+    every backend; a dynamic scale's reciprocal is computed on the device,
+    whose float32 division is not correctly rounded on every GPU (exact for
+    the power-of-two scales of the default `DynamicLossScale`).
     Each leaf keeps its dtype; `None`, integer, bool and `float0` leaves pass
     through untouched.
     """
-    reciprocal = 1.0 / jnp.asarray(self.loss_scale, jnp.float32)
+    reciprocal = self._reciprocal()
     return tree_utils.map_inexact(lambda x: _scale_leaf(x, reciprocal), tree)
+
+  def _reciprocal(self) -> jax.Array:
+    """`1 / S` as a float32 scalar."""
+    return 1.0 / jnp.asarray(self.loss_scale, jnp.float32)
 
   @abc.abstractmethod
   def update(
@@ -183,17 +214,18 @@ class LossScale(abc.ABC):
   @classmethod
   def from_config(cls: type[_Self], config: dict[str, Any]) -> _Self:
     """Creates a fresh loss scale from `get_config()`'s output."""
-    return cls(**config)
+    # Through the public class, which validates (also when called on a twin).
+    return getattr(cls, "_Public", cls)(**config)
 
   def __eq__(self, other: object) -> bool:
     if type(self) is not type(other):
       return NotImplemented
     assert isinstance(other, LossScale)
-    if self._tree_flatten()[1] != other._tree_flatten()[1]:
+    if self.get_config() != other.get_config():
       return False
     return all(
-      np.array_equal(np.asarray(a), np.asarray(b))
-      for a, b in zip(self._tree_flatten()[0], other._tree_flatten()[0], strict=True)
+      np.array_equal(np.asarray(getattr(self, f)), np.asarray(getattr(other, f)))
+      for f in self._state_fields
     )
 
   __hash__ = None  # type: ignore[assignment]  # state arrays are mutable-by-value
@@ -277,6 +309,10 @@ class FixedLossScale(LossScale):
   @property
   def loss_scale(self) -> jax.Array:
     return jnp.asarray(self.loss_scale_value, jnp.float32)
+
+  def _reciprocal(self) -> jax.Array:
+    # NumPy's division is correctly rounded; a device's may not be (GPUs).
+    return jnp.asarray(np.float32(1) / np.float32(self.loss_scale_value))
 
   def update(
     self, grads: Any, axis_name: tree_utils.AxisName = None
