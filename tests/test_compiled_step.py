@@ -82,10 +82,21 @@ def test_no_host_transfer_in_the_step(mode, fused):
   assert not hlo_stats.has_host_transfer(_compiled(tx, fused).as_text())
 
 
+CPU_ONLY = pytest.mark.skipif(
+  jax.default_backend() != "cpu",
+  reason="a fact of XLA:CPU's compiled step (other backends fuse and rewrite differently)",
+)
+
+
+def test_auto_resolves_per_backend():
+  expected = "select" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cond"
+  assert WRAPPED["auto"]().skip_mode == expected
+  assert WRAPPED["auto"]().get_config()["skip_mode"] == "auto"
+
+
+@CPU_ONLY
 def test_auto_is_a_conditional_on_cpu():
-  tx = WRAPPED["auto"]()
-  assert tx.skip_mode == "cond"
-  assert " conditional(" in _compiled(tx).as_text()
+  assert " conditional(" in _compiled(WRAPPED["auto"]()).as_text()
 
 
 def test_temporaries_are_at_most_the_updates():
@@ -156,6 +167,7 @@ def test_all_finite_agrees_with_elementwise_check(dtype, bad):
   assert bool(jax.jit(ols.all_finite)(tree)) is expected
 
 
+@CPU_ONLY
 def test_copy_detector_sees_the_copies_of_a_select_over_the_state():
   # Guards the detector above against passing vacuously: selecting over
   # (params, opt_state), as the jmp and Flax recipes do, copies the moments.
@@ -171,3 +183,14 @@ def test_copy_detector_sees_the_copies_of_a_select_over_the_state():
   jitted = jax.jit(step, donate_argnums=(0, 1))
   hlo = jitted.lower(params, tx.init(params), _grads()).compile().as_text()
   assert _data_copies(hlo) >= len(BIG)
+
+
+@pytest.mark.parametrize("platform, has_cond", [("cpu", True), ("gpu", False), ("tpu", True)])
+def test_auto_traces_the_mode_of_the_platform(monkeypatch, platform, has_cond):
+  # 'auto' is resolved when the update is traced, from the default backend.
+  monkeypatch.setattr(jax, "default_backend", lambda: platform)
+  tx = WRAPPED["auto"]()
+  params = _params()
+  jaxpr = jax.make_jaxpr(tx.update)(_grads(), tx.init(params), params)
+  assert (" cond[" in str(jaxpr)) is has_cond
+  assert tx.skip_mode == ("cond" if has_cond else "select")

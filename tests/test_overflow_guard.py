@@ -25,7 +25,8 @@ def run(tx, grads_seq, jit=True):
   update = jax.jit(tx.update) if jit else tx.update
   state, states = tx.init(PARAMS), []
   for grads in grads_seq:
-    _, state = update(grads, state, PARAMS)
+    # Block: on an accelerator the guard's error surfaces when a result is read.
+    _, state = jax.block_until_ready(update(grads, state, PARAMS))
     states.append(state)
   return states
 
@@ -124,7 +125,7 @@ class GuardTest(chex.TestCase):
     _, state = update(FINITE, state, PARAMS)  # at the minimum but finite: fine
     assert float(ols.get_loss_scale(state)()) == 2.0
     with pytest.raises(CALLBACK_ERRORS, match="overflowed at min_loss_scale=2") as e:
-      update(NAN_HEAD, state, PARAMS)
+      jax.block_until_ready(update(NAN_HEAD, state, PARAMS))
     assert "unscaled gradients: ['head']." in str(e.value)
 
   def test_under_vmap_only_the_triggered_element_raises(self):

@@ -29,6 +29,37 @@ from optax_lossscale._src import loss_scale as loss_scale_lib
 SkipMode = Literal["auto", "cond", "select"]
 _SETTINGS_ATTR = "loss_scale_optimizer_settings"
 _SKIP_MODES = ("auto", "cond", "select")
+# What skip_mode='auto' becomes, by the platform `jax.default_backend()` names
+# (BENCHMARKS.md, "skip_mode='auto'"). On a GPU, XLA turns the update path's
+# `cond` into selects anyway, and a conditional that survives (the fused
+# `apply_gradients`) sends its predicate to the host on every step, which
+# stalls asynchronous dispatch; on the H100 `select` was never slower beyond
+# noise. On CPU `cond` is measured cheaper (no work or copies on a skip). TPUs
+# run conditionals on the device; unmeasured, they keep the design default.
+_AUTO_SELECT_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+
+
+def resolve_skip_mode(skip_mode: SkipMode, platform: str | None = None) -> str:
+  """`skip_mode` with 'auto' replaced by the choice for `platform`.
+
+  Args:
+    skip_mode: 'auto', 'cond' or 'select'.
+    platform: a JAX platform name; by default `jax.default_backend()`, read
+      only for 'auto' (so building an optimizer never initialises a backend:
+      the wrapper resolves 'auto' when its update is traced).
+
+  Returns:
+    'cond' or 'select'.
+
+  Example:
+    >>> from optax_lossscale._src.optimizer import resolve_skip_mode
+    >>> [resolve_skip_mode('auto', p) for p in ('cpu', 'gpu', 'tpu')]
+    ['cond', 'select', 'cond']
+  """
+  if skip_mode != "auto":
+    return skip_mode
+  platform = jax.default_backend() if platform is None else platform
+  return "select" if platform in _AUTO_SELECT_PLATFORMS else "cond"
 
 
 class LossScaleOptimizerState(NamedTuple):
@@ -79,8 +110,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     >>> tx = ols.loss_scale_optimizer(optax.adam(1e-3), dynamic_growth_steps=100)
     >>> isinstance(tx, optax.GradientTransformation), tx.dynamic
     (True, True)
-    >>> tx.initial_scale, tx.dynamic_growth_steps, tx.skip_mode
-    (32768.0, 100, 'cond')
+    >>> tx.initial_scale, tx.dynamic_growth_steps, tx.skip_mode in ('cond', 'select')
+    (32768.0, 100, True)
   """
 
   __slots__ = ()  # immutable, like the tuple it is
@@ -126,8 +157,12 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
   @property
   def skip_mode(self) -> SkipMode:
-    """How skipped steps are implemented: 'cond' or 'select' (resolved)."""
-    return self._settings["skip_mode"]
+    """How skipped steps are implemented on the default backend: 'cond' or 'select'.
+
+    'auto' is resolved here (see `loss_scale_optimizer`); `get_config` keeps
+    the mode as requested, so a config saved on one backend stays 'auto'.
+    """
+    return resolve_skip_mode(self._settings["skip_mode"])
 
   @property
   def axis_name(self) -> Any:
@@ -145,7 +180,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       "dynamic": self.dynamic,
       "initial_scale": self.initial_scale,
       "dynamic_growth_steps": self.dynamic_growth_steps,
-      "skip_mode": self.skip_mode,
+      "skip_mode": self._settings["skip_mode"],
       "axis_name": list(axis_name) if isinstance(axis_name, tuple) else axis_name,
       **self._settings["diagnostics"],
     }
@@ -269,8 +304,9 @@ def loss_scale_optimizer(
       2000 by default, must be None when `dynamic=False`.
     skip_mode: `'cond'` runs `inner` inside `lax.cond` so a skipped step does
       no optimizer work and copies no state; `'select'` always runs `inner`
-      and selects the result; `'auto'` picks per backend by measurement
-      (`'cond'` everywhere so far, see BENCHMARKS.md).
+      and selects the result; `'auto'` picks per backend from measurements
+      when the update is traced: `'select'` on GPUs, `'cond'` on CPU and TPU
+      (BENCHMARKS.md). Every mode gives the same results bit for bit.
     axis_name: inside `shard_map`/`pmap`, the axis name or tuple of names
       across which shards must agree to skip; not needed under plain `jit`.
     record_nonfinite_leaves: keep in the state one bool per parameter leaf
@@ -325,8 +361,6 @@ def loss_scale_optimizer(
   )
   guard = overflow_guard.make_guard(initial_ls, max_consecutive_skips, raise_at_min_loss_scale)
   user_inner, inner = inner, optax.with_extra_args_support(inner)
-  # 'auto' is 'cond' on every backend; see BENCHMARKS.md for the measurements.
-  resolved_mode = "cond" if skip_mode == "auto" else skip_mode
 
   def init_fn(params: optax.Params) -> LossScaleOptimizerState:
     return LossScaleOptimizerState(
@@ -377,7 +411,7 @@ def loss_scale_optimizer(
     checked = grads if _scaling_keeps_finiteness(ls) else ls.unscale(grads)
     new_ls, should_apply = ls.update(checked, axis_name=axis_name)
 
-    if resolved_mode == "cond":
+    if resolve_skip_mode(skip_mode) == "cond":
 
       def skip_inner(
         grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
@@ -438,7 +472,7 @@ def loss_scale_optimizer(
     {
       "inner": user_inner,
       "loss_scale": initial_ls,
-      "skip_mode": resolved_mode,
+      "skip_mode": skip_mode,
       "axis_name": axis_name,
       "diagnostics": diagnostics,
       "update": update_fn,

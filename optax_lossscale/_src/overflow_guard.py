@@ -23,8 +23,16 @@ the step has run), the guard's remaining cost. An exception raised in the
 callback reaches the caller (jax 0.10.2) as a `jax.errors.JaxRuntimeError`
 or a `ValueError`, depending on which dispatch path the call took (which the
 history of calls decides); either message ends with the original
-`OverflowGuardError: ...` text. Under asynchronous dispatch it surfaces at the
-step call or when one of its results is next read.
+`OverflowGuardError: ...` text.
+
+When it surfaces depends on the backend. On CPU a step holding a host
+callback runs synchronously, so the error is raised by the step call itself.
+On a GPU or TPU dispatch is asynchronous: the call returns at once and the
+error is raised when a result of that step (or of a later one) is read, e.g.
+by `jax.block_until_ready`, `float(...)`, `jax.device_get` or a logged
+metric. A training loop that never reads anything would run on past the
+failure; one that logs `ols.metrics(state)` every N steps stops within N
+steps. Block on the step's results where the error must stop the loop at once.
 """
 
 from __future__ import annotations
@@ -51,14 +59,14 @@ class OverflowGuardError(FloatingPointError):
   error's text: catch those and look for `OverflowGuardError` in the message.
 
   Example:
-    >>> import jax.numpy as jnp, optax
+    >>> import jax, jax.numpy as jnp, optax
     >>> import optax_lossscale as ols
     >>> tx = ols.loss_scale_optimizer(optax.sgd(0.1), max_consecutive_skips=1)
     >>> state = tx.init({'w': jnp.ones(2)})
     >>> nan = {'w': jnp.array([jnp.nan, 1.0])}
     >>> _, state = tx.update(nan, state)  # one skip is tolerated
-    >>> try:
-    ...   tx.update(nan, state)
+    >>> try:  # blocking: on a GPU/TPU the error arrives when a result is read
+    ...   jax.block_until_ready(tx.update(nan, state))
     ... except Exception as e:
     ...   print('OverflowGuardError' in str(e))
     True
