@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
+import pickle
 
 import chex
 from hypothesis import given, settings
@@ -516,3 +518,60 @@ class DynamicUpdateVariantsTest(chex.TestCase):
     chex.assert_trees_all_equal((ls2(), ls2.counter, ok2), (jnp.float32(4), jnp.int32(0), False))
     # The input is untouched: immutability, not aliasing.
     chex.assert_trees_all_equal((ls(), ls.counter), (jnp.float32(8), jnp.int32(0)))
+
+
+# -- the pytree twin ----------------------------------------------------------------------
+
+
+def pickle_round_trip(x):
+  return pickle.loads(pickle.dumps(x))
+
+
+@pytest.mark.parametrize("ls", ALL_SCALES, ids=SCALE_IDS)
+def test_instances_are_the_registered_twin_of_their_class(ls):
+  public = {c.__name__: c for c in (ols.NoOpLossScale, ols.FixedLossScale, ols.DynamicLossScale)}[
+    type(ls).__name__
+  ]
+  assert type(ls) is public._Node and isinstance(ls, public) and isinstance(ls, ols.LossScale)
+  assert repr(ls).startswith(f"{public.__name__}(")
+  rebuilt = jax.tree.unflatten(jax.tree.structure(ls), jax.tree.leaves(ls))
+  assert type(rebuilt) is type(ls) and rebuilt == ls
+
+
+@pytest.mark.parametrize("ls", ALL_SCALES, ids=SCALE_IDS)
+def test_pickle_and_deepcopy_round_trip(ls):
+  for clone in (pickle_round_trip(ls), copy.deepcopy(ls), copy.copy(ls)):
+    assert type(clone) is type(ls) and clone == ls
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      clone.foo = 1
+
+
+def test_abstract_loss_scale_cannot_be_instantiated():
+  with pytest.raises(TypeError, match="abstract class LossScale"):
+    ols.LossScale()
+
+  class Incomplete(ols.LossScale):
+    pass
+
+  with pytest.raises(TypeError, match=r"abstract class Incomplete.*update"):
+    Incomplete()
+
+
+def test_a_user_subclass_gets_its_own_twin_and_keeps_its_fields_through_jit():
+  class Clipped(ols.DynamicLossScale):
+    _config_fields = (*ols.DynamicLossScale._config_fields, "ceiling")
+
+    def __init__(self, initial_loss_scale, ceiling):
+      super().__init__(initial_loss_scale)
+      self._set(ceiling=float(ceiling))
+
+    def adjust(self, grads_finite):
+      new = super().adjust(grads_finite)
+      return new.replace(loss_scale=jnp.minimum(new.loss_scale, self.ceiling))
+
+  ls = Clipped(4.0, ceiling=6.0)
+  assert type(ls) is Clipped._Node and type(ls) is not ols.DynamicLossScale._Node
+  out = jax.jit(lambda ls: ls.replace(counter=ls.counter + 1999).adjust(True))(ls)
+  assert type(out) is Clipped._Node and out.ceiling == 6.0
+  assert float(out()) == 6.0  # grown to 8, clipped to the ceiling
+  assert ls.get_config()["ceiling"] == 6.0
