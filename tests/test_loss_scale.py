@@ -535,7 +535,16 @@ def test_instances_are_the_registered_twin_of_their_class(ls):
   assert type(ls) is public._Node and isinstance(ls, public) and isinstance(ls, ols.LossScale)
   assert repr(ls).startswith(f"{public.__name__}(")
   rebuilt = jax.tree.unflatten(jax.tree.structure(ls), jax.tree.leaves(ls))
-  assert type(rebuilt) is type(ls) and rebuilt == ls
+  assert type(rebuilt) is type(ls) and rebuilt == ls and not rebuilt != ls
+
+
+def test_inequality_mirrors_equality():
+  a, b = ols.DynamicLossScale(4.0), ols.DynamicLossScale(4.0)
+  nan = a.replace(loss_scale=jnp.float32(jnp.nan))
+  assert a == b and not a != b
+  assert a != a.replace(counter=jnp.int32(1)) and nan != nan and not nan == nan
+  assert ols.FixedLossScale(4.0) != ols.FixedLossScale(8.0)
+  assert (ols.NoOpLossScale() != ols.FixedLossScale(1.0)) is True
 
 
 @pytest.mark.parametrize("ls", ALL_SCALES, ids=SCALE_IDS)

@@ -228,6 +228,11 @@ class LossScale(types.SimpleNamespace, metaclass=_LossScaleType):
       for f in self._state_fields
     )
 
+  def __ne__(self, other: object) -> bool:
+    # Explicit: SimpleNamespace's own `__ne__` would compare the attribute dicts.
+    equal = self.__eq__(other)
+    return equal if equal is NotImplemented else not equal
+
   __hash__ = None  # type: ignore[assignment]  # state arrays are mutable-by-value
 
   def __repr__(self) -> str:
