@@ -334,6 +334,20 @@ class CompositionTest(chex.TestCase):
     m = ols.metrics(state)
     assert not bool(m["last_step_applied"]) and int(m["total_skips"]) == 1
 
+  def test_fused_step_leaves_params_bit_identical_on_a_spike_skip(self):
+    tx = ols.loss_scale_optimizer(make_tx(optax.sgd(0.1)), 1.0)
+    params = {**make_params(), "z": jnp.array([-0.0])}
+    state = tx.init(params)
+    step = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+    for t in range(7):
+      g = {**make_grads(t, "spike" if t == 6 else None), "z": jnp.zeros(1)}
+      new_params, state = step(g, state, params)
+      if t < 6:
+        params = new_params
+    assert not bool(ols.metrics(state)["last_step_applied"])
+    chex.assert_trees_all_equal(new_params, params)
+    assert np.signbit(new_params["z"][0])  # returned as it was, not p + 0
+
   def test_the_other_order_is_rejected(self):
     with pytest.raises(ValueError, match="inside the loss-scale wrapper"):
       ols.skip_bad_steps(ols.loss_scale_optimizer(optax.sgd(0.1)))
