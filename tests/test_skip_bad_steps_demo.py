@@ -44,10 +44,10 @@ def test_guarded_run_skips_exactly_the_bad_batches_and_lands_near_the_clean_run(
   assert guarded.nonfinite_skips == [demo.NAN_STEP]
   assert clean.spike_skips == clean.nonfinite_skips == []
   assert abs(guarded.final_loss / clean.final_loss - 1) < 0.05
-  # The clean run's trajectory until the spike batch (to rounding: the two
-  # scans are different XLA programs, which may fuse the update differently).
+  # The clean run's trajectory until the spike batch (to 1%: the two
+  # scans are different XLA programs, whose last-bit differences bfloat16 grows).
   np.testing.assert_allclose(
-    guarded.losses[: demo.SPIKE_STEP], clean.losses[: demo.SPIKE_STEP], rtol=1e-4
+    guarded.losses[: demo.SPIKE_STEP], clean.losses[: demo.SPIKE_STEP], rtol=1e-2
   )
 
 
