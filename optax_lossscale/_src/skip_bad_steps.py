@@ -57,6 +57,15 @@ class SkipBadStepsState(NamedTuple):
     grad_norm: the `RunningStatistic` of the log global gradient norm, or None
       when the norm is not watched.
     loss: the `RunningStatistic` of the loss, or None when it is not watched.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.skip_bad_steps(optax.adam(1e-3))
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> _, state = tx.update({'w': jnp.array([jnp.inf, 0.0])}, state)
+    >>> bool(state.last_step_applied), int(state.nonfinite_skips), int(state.inner_state[0].count)
+    (False, 1, 0)
   """
 
   inner_state: optax.OptState
@@ -72,7 +81,18 @@ class SkipBadStepsState(NamedTuple):
 
 
 class SkipBadSteps(optax.GradientTransformationExtraArgs):
-  """The `GradientTransformationExtraArgs` returned by `skip_bad_steps`."""
+  """The `GradientTransformationExtraArgs` returned by `skip_bad_steps`.
+
+  The `(init, update)` pair optax expects, plus `inner_optimizer` and
+  `get_config()`.
+
+  Example:
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.skip_bad_steps(optax.sgd(0.1), spike_threshold=6.0)
+    >>> isinstance(tx, optax.GradientTransformationExtraArgs), tx.get_config()['monitor']
+    (True, ['grad_norm'])
+  """
 
   __slots__ = ()
 
