@@ -207,6 +207,20 @@ class SkipBadStepsTest(chex.TestCase, parameterized.TestCase):
     self.assertEqual(float(m["loss"]), np.float32(0.95))
     self.assertNotIn("grad_norm", m)
 
+  def test_a_zero_gradient_is_applied_without_feeding_the_statistic(self):
+    tx = make_tx(optax.sgd(0.1))
+    params = make_params()
+    state = tx.init(params)
+    for t in range(WARMUP):
+      _, state = tx.update(make_grads(t), state, params)
+    before = state.grad_norm
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    _, state = tx.update(zeros, state, params)
+    assert bool(state.last_step_applied) and float(state.grad_norm.last) == 0.0
+    chex.assert_trees_all_equal(state.grad_norm._replace(last=0.0), before._replace(last=0.0))
+    _, state = tx.update(make_grads(WARMUP), state, params)  # still judged as before
+    assert bool(state.last_step_applied) and np.isfinite(float(state.grad_norm.mean))
+
   def test_missing_or_bad_loss_is_a_clear_error(self):
     tx = make_tx(optax.sgd(0.1), monitor=("grad_norm", "loss"))
     params = make_params()

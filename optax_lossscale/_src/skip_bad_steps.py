@@ -150,8 +150,9 @@ def skip_bad_steps(
   (`monitor`) lies more than `spike_threshold` running standard deviations
   above its running mean, after `warmup_steps` accepted steps. The running
   mean and variance are exponential moving averages (`ema_decay`) over the
-  **applied** steps only; the standard deviation is floored at `min_std`
-  (for the log-norm, a relative change; for the loss, times |mean|).
+  **applied** steps only (an all-zero gradient, whose log-norm is -inf, is
+  applied without feeding it); the standard deviation is floored at
+  `min_std` (for the log-norm, a relative change; for the loss, times |mean|).
 
   A skipped step returns zero updates (of the dtypes `inner` returns) and
   leaves `inner`'s state bit-identical. An applied step returns exactly what
@@ -397,7 +398,10 @@ def skip_bad_steps(
         stat_lib.rebase(stats[n], xs[n]),
         stat_lib.accumulate(stats[n], xs[n], ema_decay),
       )
-      kept = jax.tree.map(functools.partial(jnp.where, should_apply), fed, stats[n])
+      # A zero norm (log -inf) says nothing about the scale of the next one and
+      # would poison the mean: it is applied but does not feed the statistic.
+      feeds = should_apply & jnp.isfinite(xs[n])
+      kept = jax.tree.map(functools.partial(jnp.where, feeds), fed, stats[n])
       new_stats[n] = kept._replace(last=values[n])
 
     skipped = ~should_apply
