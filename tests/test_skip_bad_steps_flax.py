@@ -127,3 +127,14 @@ def test_orbax_resume_is_exact(tmp_path):
   chex.assert_trees_all_equal(restored.params, state.params)
   chex.assert_trees_all_equal(restored.opt_state, state.opt_state)
   assert int(ols.metrics(restored)["total_skips"]) == 3
+
+
+def test_nnx_optimizer_passes_the_loss_on():
+  model = Linear(nnx.Rngs(0))
+  tx = ols.skip_bad_steps(optax.sgd(0.1), spike_threshold=6.0, monitor="loss", warmup_steps=2)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  grads = nnx.grad(lambda m: jnp.mean(m(make_batch(0)) ** 2))(model)
+  for loss in (1.0, 1.02, 0.99, 100.0):
+    optimizer.update(model, grads, loss=jnp.float32(loss))
+  m = ols.metrics(optimizer)
+  assert int(m["spike_skips"]) == 1 and float(m["loss"]) == 100.0

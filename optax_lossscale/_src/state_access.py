@@ -114,7 +114,13 @@ def find_state(opt_state: Any) -> LossScaleOptimizerState:
 def find_skip_state(opt_state: Any) -> SkipBadStepsState | None:
   """The single `SkipBadStepsState` nested in `opt_state` (plain arrays), or None."""
   state = _single(_search(opt_state, SkipBadStepsState), "SkipBadStepsState")
-  return None if state is None else jax.tree.map(_unwrap, state, is_leaf=_is_box)
+  if state is None:
+    return None
+  # The counters and statistics only: the inner state is returned as it is.
+  fields = [f for f in state._fields if f != "inner_state"]
+  return state._replace(
+    **{f: jax.tree.map(_unwrap, getattr(state, f), is_leaf=_is_box) for f in fields}
+  )
 
 
 def find_loss_scale_state(opt_state: Any) -> LossScaleOptimizerState | None:
