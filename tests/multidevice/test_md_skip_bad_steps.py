@@ -120,3 +120,30 @@ def test_sharded_jit_needs_no_axis_name_and_keeps_shardings() -> None:
   assert state.inner_state[0].mu.sharding.is_equivalent_to(sharding, 1)
   np.testing.assert_allclose(params, ref_params, rtol=1e-6)
   chex.assert_trees_all_close(state, ref_state, rtol=1e-5)
+
+
+def test_shard_map_loss_is_averaged_across_shards_so_all_skip_a_one_shard_loss_spike() -> None:
+  mesh = jax.make_mesh((8,), ("d",))
+  tx = ols.skip_bad_steps(
+    optax.sgd(0.1), spike_threshold=6.0, monitor="loss", warmup_steps=3, axis_name="d"
+  )
+  state = tx.init(np.zeros(16, np.float32))
+  specs = jax.tree.map(lambda _: P(), state)
+
+  def f(g: jax.Array, loss: jax.Array, state: Any) -> tuple[jax.Array, Any]:
+    _, state = tx.update(g, state, loss=loss[0])
+    return state.last_step_applied[None], state
+
+  f = jax.jit(
+    jax.shard_map(f, mesh=mesh, in_specs=(P("d"), P("d"), specs), out_specs=(P("d"), specs))
+  )
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("d")))
+  with jax.set_mesh(mesh):
+    for t in range(5):
+      losses = np.linspace(1.0, 2.0, 8, dtype=np.float32) * np.float32(1.0 + 0.01 * t)
+      if t == 4:
+        losses[BAD_SHARD] = 500.0  # one shard's batch is bad
+      applied, state = f(put(_grads(t)), put(losses), state)
+      np.testing.assert_array_equal(applied, [t != 4] * 8)
+  np.testing.assert_allclose(float(state.loss.last), np.mean(losses), rtol=1e-6)
+  assert int(state.spike_skips) == 1
