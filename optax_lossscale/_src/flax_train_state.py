@@ -130,9 +130,7 @@ class TrainState(train_state.TrainState):
     """
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     try:
-      state_access.step_applied(state.opt_state)
-      if state_access.find_skip_state(state.opt_state) is None:
-        state_access.find_state(state.opt_state)
+      state_access.step_applied(state.opt_state)  # finds each wrapper, at most once
     except ValueError as e:
       raise ValueError(
         "tx must contain exactly one optax_lossscale.loss_scale_optimizer(...)"
