@@ -25,6 +25,7 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/skip_bad_steps_demo.py
 
 # The loss-scaling benchmark (under 10 minutes on 2 cores); ARGS=--quick for a CI-size run.
 bench: $(STAMP)

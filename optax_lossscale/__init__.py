@@ -18,6 +18,7 @@ from optax_lossscale._src.optimizer import (
 from optax_lossscale._src.overflow_guard import OverflowGuardError
 from optax_lossscale._src.scale_advisor import ScaleAdvice, suggest_loss_scale
 from optax_lossscale._src.serialization import deserialize, get, serialize
+from optax_lossscale._src.skip_bad_steps import SkipBadSteps, SkipBadStepsState, skip_bad_steps
 from optax_lossscale._src.state_access import (
   get_loss_scale,
   get_scaled_loss,
@@ -39,6 +40,8 @@ __all__ = (
   "NoOpLossScale",
   "OverflowGuardError",
   "ScaleAdvice",
+  "SkipBadSteps",
+  "SkipBadStepsState",
   "all_finite",
   "apply_gradients",
   "deserialize",
@@ -52,6 +55,7 @@ __all__ = (
   "metrics",
   "select_tree",
   "serialize",
+  "skip_bad_steps",
   "suggest_loss_scale",
   "value_and_grad",
 )

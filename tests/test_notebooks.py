@@ -26,6 +26,7 @@ NOTEBOOKS = {
   "01_quickstart": (),
   "02_flax_fp16_training": ("flax", "matplotlib", "sklearn"),
   "03_multi_device": (),
+  "04_skip_bad_steps": ("matplotlib", "sklearn"),
 }
 KERNEL_NAME = "optax-lossscale-tests"
 

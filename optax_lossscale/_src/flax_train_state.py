@@ -1,4 +1,4 @@
-"""A Flax `TrainState` whose optimizer is a `loss_scale_optimizer`.
+"""A Flax `TrainState` whose optimizer is a `loss_scale_optimizer` or `skip_bad_steps`.
 
 Flax's own `TrainState` already works with the wrapper: on a skipped step the
 updates are zeros and the inner optimizer state is untouched. This subclass
@@ -41,7 +41,9 @@ class TrainState(train_state.TrainState):
   Create it as usual, with a `tx` that contains a `loss_scale_optimizer`
   (possibly inside `optax.chain`; for accumulation, wrap `MultiSteps` in it),
   and feed `apply_gradients` the gradients of the **scaled** loss, e.g. from
-  `optax_lossscale.value_and_grad`.
+  `optax_lossscale.value_and_grad`. A `tx` that is (or contains)
+  `skip_bad_steps`, alone or inside the loss-scale wrapper, works the same
+  way: a step either skips leaves `params` and `step` as they were.
 
   On a skipped (non-finite) step `params`, the inner optimizer state and
   `step` are unchanged, bit for bit; the loss scale backs off and the skip
@@ -96,10 +98,10 @@ class TrainState(train_state.TrainState):
     if fused is not None:
       # The wrapper is the whole tx: update and apply inside its one branch.
       params, opt_state = fused(grads, self.opt_state, self.params)
-      applied = opt_state.last_step_applied
+      applied = state_access.step_applied(opt_state)
     else:
       updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-      applied = state_access.find_state(opt_state).last_step_applied
+      applied = state_access.step_applied(opt_state)
       params = jax.lax.cond(
         applied,
         lambda p, u: optax.apply_updates(p, u),
@@ -123,15 +125,17 @@ class TrainState(train_state.TrainState):
     """Creates the state with `step=0` (int32) and `opt_state=tx.init(params)`.
 
     Raises:
-      ValueError: if `tx` contains no `loss_scale_optimizer` (or more than one).
+      ValueError: if `tx` contains no `loss_scale_optimizer` and no
+        `skip_bad_steps` (or more than one of either).
     """
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     try:
-      state_access.find_state(state.opt_state)
+      state_access.step_applied(state.opt_state)  # finds each wrapper, at most once
     except ValueError as e:
       raise ValueError(
-        "tx must contain exactly one optax_lossscale.loss_scale_optimizer(...),"
-        f" e.g. loss_scale_optimizer(optax.adam(1e-3)): {e}"
+        "tx must contain exactly one optax_lossscale.loss_scale_optimizer(...)"
+        " or skip_bad_steps(...), e.g. loss_scale_optimizer(optax.adam(1e-3)):"
+        f" {e}"
       ) from e
     # An array from the start: the same dtype before and after a checkpoint,
     # and no retrace when the first jitted step turns a Python 0 into an array.

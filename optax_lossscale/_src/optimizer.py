@@ -390,6 +390,9 @@ def loss_scale_optimizer(
     ) -> tuple[Any, optax.OptState]:
       # Unscaling beside its consumers lets XLA fuse it into the inner update:
       # the unscaled gradients are never written to memory.
+      inner_fused = fused_apply_gradients(inner) if apply_to_params else None
+      if inner_fused is not None:  # e.g. skip_bad_steps: its skips leave params untouched too
+        return inner_fused(ls.unscale(scaled_grads), inner_state, params, **extra_args)
       updates, inner_state = inner.update(
         ls.unscale(scaled_grads), inner_state, params, **extra_args
       )

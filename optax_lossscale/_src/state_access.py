@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._src import loss_scale as loss_scale_lib
 from optax_lossscale._src.optimizer import LossScaleOptimizerState
+from optax_lossscale._src.skip_bad_steps import SkipBadStepsState
 
 
 def _is_state(x: Any) -> bool:
@@ -56,6 +58,33 @@ def _plain(state: LossScaleOptimizerState) -> LossScaleOptimizerState:
   )
 
 
+def _search(opt_state: Any, kind: type) -> list[tuple[Any, Any]]:
+  """Every state of type `kind` nested in `opt_state`, with its path."""
+  if not isinstance(opt_state, (LossScaleOptimizerState, SkipBadStepsState)) and hasattr(
+    opt_state, "opt_state"
+  ):
+    opt_state = opt_state.opt_state
+  found = []
+  is_leaf = lambda x: isinstance(x, kind)
+
+  def search(tree: Any, prefix: tuple[Any, ...]) -> None:
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]:
+      if is_leaf(node):
+        found.append((prefix + path, node))
+        # A wrapper wrapped in another is an error: look inside too.
+        search(node.inner_state, (*prefix, *path, jax.tree_util.GetAttrKey("inner_state")))
+
+  search(opt_state, ())
+  return found
+
+
+def _single(found: list[tuple[Any, Any]], what: str) -> Any:
+  if len(found) > 1:
+    paths = ", ".join(jax.tree_util.keystr(p) or "<root>" for p, _ in found)
+    raise ValueError(f"Found {len(found)} {what}s (at {paths}); wrap the optimizer once.")
+  return found[0][1] if found else None
+
+
 def find_state(opt_state: Any) -> LossScaleOptimizerState:
   """Returns the single `LossScaleOptimizerState` nested in `opt_state`.
 
@@ -66,18 +95,7 @@ def find_state(opt_state: Any) -> LossScaleOptimizerState:
   Raises:
     ValueError: if there is none, or more than one (the paths are listed).
   """
-  if not isinstance(opt_state, LossScaleOptimizerState) and hasattr(opt_state, "opt_state"):
-    opt_state = opt_state.opt_state
-  found = []
-
-  def search(tree: Any, prefix: tuple[Any, ...]) -> None:
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)[0]:
-      if _is_state(node):
-        found.append((prefix + path, node))
-        # A wrapper wrapped in another is an error: look inside too.
-        search(node.inner_state, (*prefix, *path, jax.tree_util.GetAttrKey("inner_state")))
-
-  search(opt_state, ())
+  found = _search(opt_state, LossScaleOptimizerState)
   if not found:
     raise ValueError(
       "No LossScaleOptimizerState found in the given state; build the optimizer"
@@ -91,6 +109,47 @@ def find_state(opt_state: Any) -> LossScaleOptimizerState:
       " must wrap the optimizer once."
     )
   return _plain(found[0][1])
+
+
+def find_skip_state(opt_state: Any) -> SkipBadStepsState | None:
+  """The single `SkipBadStepsState` nested in `opt_state` (plain arrays), or None."""
+  state = _single(_search(opt_state, SkipBadStepsState), "SkipBadStepsState")
+  if state is None:
+    return None
+  # The counters and statistics only: the inner state is returned as it is.
+  fields = [f for f in state._fields if f != "inner_state"]
+  return state._replace(
+    **{f: jax.tree.map(_unwrap, getattr(state, f), is_leaf=_is_box) for f in fields}
+  )
+
+
+def find_loss_scale_state(opt_state: Any) -> LossScaleOptimizerState | None:
+  """The single `LossScaleOptimizerState` nested in `opt_state`, or None."""
+  found = _search(opt_state, LossScaleOptimizerState)
+  return find_state(opt_state) if found else None
+
+
+def step_applied(opt_state: Any) -> jax.Array:
+  """Whether the last update was applied by every skipping wrapper in `opt_state`.
+
+  Raises:
+    ValueError: if `opt_state` holds neither a `loss_scale_optimizer` nor a
+      `skip_bad_steps` state.
+  """
+  states = [s for s in (find_loss_scale_state(opt_state), find_skip_state(opt_state)) if s]
+  if not states:
+    raise ValueError(_NEITHER.format(type(opt_state).__name__))
+  applied = states[0].last_step_applied
+  for s in states[1:]:
+    applied = applied & s.last_step_applied
+  return applied
+
+
+_NEITHER = (
+  "No LossScaleOptimizerState or SkipBadStepsState found in the given state; build"
+  " the optimizer with optax_lossscale.loss_scale_optimizer(...) or"
+  " optax_lossscale.skip_bad_steps(...) and pass its state (got a {})."
+)
 
 
 def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
@@ -163,21 +222,54 @@ def get_unscaled_gradients(grads: Any, opt_state: Any) -> Any:
   return get_loss_scale(opt_state).unscale(grads)
 
 
-def metrics(opt_state: Any) -> dict[str, Any]:
-  """Returns scalars to log: the scale and the skip counters.
+def _skip_metrics(state: SkipBadStepsState) -> dict[str, Any]:
+  out: dict[str, Any] = {
+    "nonfinite_skips": state.nonfinite_skips,
+    "spike_skips": state.spike_skips,
+    "consecutive_spike_skips": state.consecutive_spike_skips,
+    "spike_rebases": state.spike_rebases,
+  }
+  if state.grad_norm is not None:
+    stat = state.grad_norm
+    out["grad_norm"] = stat.last
+    out["grad_norm_mean"] = jnp.exp(stat.mean)  # geometric: the statistic is of log norms
+    out["grad_norm_log_std"] = jnp.sqrt(stat.var)
+  if state.loss is not None:
+    out["loss"] = state.loss.last
+    out["loss_mean"] = state.loss.mean
+    out["loss_std"] = jnp.sqrt(state.loss.var)
+  return out
 
-  Keys: `loss_scale` (float32), `last_step_applied` (bool),
-  `consecutive_skips` and `total_skips` (int32). Jit-compatible; the values
-  are device arrays, so logging them does not force a sync until read. With
+
+def metrics(opt_state: Any) -> dict[str, Any]:
+  """Returns scalars to log: the scale, the skip counters and the spike statistic.
+
+  For a `loss_scale_optimizer`: `loss_scale` (float32), `last_step_applied`
+  (bool), `consecutive_skips` and `total_skips` (int32). With
   `record_nonfinite_leaves=True` there is one more key, `nonfinite_leaves`:
   a dict from each parameter leaf's path (`jax.tree_util.keystr`) to a bool
   scalar, True if that leaf's gradient held NaN/Inf on the last skipped step.
 
+  For `skip_bad_steps`: `last_step_applied`, `consecutive_skips`,
+  `total_skips`, the skips by reason `nonfinite_skips` and `spike_skips`,
+  `consecutive_spike_skips`, `spike_rebases`, and for each watched quantity
+  its last value and statistic: `grad_norm`, `grad_norm_mean` (the running
+  geometric mean) and `grad_norm_log_std`; `loss`, `loss_mean`, `loss_std`.
+
+  For both (`loss_scale_optimizer(skip_bad_steps(inner))`): the union, where
+  `last_step_applied` is True only if both applied the step, `total_skips`
+  counts the steps either skipped, `overflow_skips` those the loss scale
+  skipped, and `consecutive_skips` is the loss scale's streak of overflows.
+
+  Jit-compatible; the values are device arrays, so logging them does not force
+  a sync until read.
+
   Args:
-    opt_state: the state of a `loss_scale_optimizer`, possibly nested.
+    opt_state: the state, possibly nested, or a Flax `TrainState` or
+      `nnx.Optimizer`.
 
   Returns:
-    A dict of four scalar arrays, plus `nonfinite_leaves` when recorded.
+    A dict of scalar arrays (plus `nonfinite_leaves` when recorded).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -186,7 +278,20 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     >>> sorted(ols.metrics(state))
     ['consecutive_skips', 'last_step_applied', 'loss_scale', 'total_skips']
   """
-  state = find_state(opt_state)
+  skip_state = find_skip_state(opt_state)
+  if skip_state is not None and not _search(opt_state, LossScaleOptimizerState):
+    return {
+      "last_step_applied": skip_state.last_step_applied,
+      "consecutive_skips": skip_state.consecutive_skips,
+      "total_skips": skip_state.total_skips,
+      **_skip_metrics(skip_state),
+    }
+  try:
+    state = find_state(opt_state)
+  except ValueError as e:
+    if "No LossScaleOptimizerState" in str(e):
+      raise ValueError(_NEITHER.format(type(opt_state).__name__)) from None
+    raise
   out: dict[str, Any] = {
     "loss_scale": state.loss_scale(),
     "last_step_applied": state.last_step_applied,
@@ -196,4 +301,9 @@ def metrics(opt_state: Any) -> dict[str, Any]:
   if state.nonfinite_leaves is not None:
     flat = jax.tree_util.tree_flatten_with_path(state.nonfinite_leaves)[0]
     out["nonfinite_leaves"] = {jax.tree_util.keystr(p) or "<root>": flag for p, flag in flat}
+  if skip_state is not None:
+    out["last_step_applied"] = state.last_step_applied & skip_state.last_step_applied
+    out["overflow_skips"] = state.total_skips
+    out["total_skips"] = state.total_skips + skip_state.total_skips
+    out.update(_skip_metrics(skip_state))
   return out

@@ -1,0 +1,460 @@
+"""`skip_bad_steps`: skip NaN/Inf steps and loss or gradient-norm spikes, without loss scaling.
+
+For bfloat16 and float32 runs, which need no loss scale but still die of one
+non-finite step or of one bad batch. Per update:
+
+  norm   = sqrt(psum_over_axis_name(sum(g**2)))     # only when spikes are watched
+  finite = norm (and the loss) finite, else all_finite(grads, axis_name)
+  spike  = finite and, for a watched quantity x (log norm, loss) past its warm-up,
+           (x - running_mean) / running_std > spike_threshold
+  if spike and the spike streak already reached max_consecutive_spike_skips:
+    on_spike_streak='accept': apply the step and re-base the statistic on x
+    on_spike_streak='raise':  skip the step and raise OverflowGuardError
+  apply = finite and not (a skipped spike)
+  inner runs only if apply (lax.cond); the statistic is fed only applied steps
+
+Skipped steps do not feed the statistic: a spike would otherwise widen the
+variance and hide the next one, and a NaN would poison it. A real change of
+regime therefore looks like a streak of spikes, which the streak bound ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import functools
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lossscale._src import optimizer as optimizer_lib
+from optax_lossscale._src import skip_branch, skip_guard, tree_utils, validation
+from optax_lossscale._src import spike_statistic as stat_lib
+
+MONITORS = ("grad_norm", "loss")
+_ON_SPIKE_STREAK = ("accept", "raise")
+
+
+class SkipBadStepsState(NamedTuple):
+  """State of `skip_bad_steps`.
+
+  Attributes:
+    inner_state: the wrapped transformation's state; bit-identical across a
+      skipped step.
+    last_step_applied: bool scalar, whether the last update was applied.
+    consecutive_skips: int32 scalar, skipped updates (any reason) since the
+      last applied one.
+    total_skips: int32 scalar, skipped updates since `init`.
+    nonfinite_skips: int32 scalar, updates skipped for NaN/Inf.
+    spike_skips: int32 scalar, updates skipped as spikes.
+    consecutive_spike_skips: int32 scalar, the current streak of spike skips
+      (non-finite steps inside it neither extend nor end it).
+    spike_rebases: int32 scalar, spike streaks ended by accepting the step
+      and re-basing the statistic (`on_spike_streak='accept'`).
+    grad_norm: the `RunningStatistic` of the log global gradient norm, or None
+      when the norm is not watched.
+    loss: the `RunningStatistic` of the loss, or None when it is not watched.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.skip_bad_steps(optax.adam(1e-3))
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> _, state = tx.update({'w': jnp.array([jnp.inf, 0.0])}, state)
+    >>> bool(state.last_step_applied), int(state.nonfinite_skips), int(state.inner_state[0].count)
+    (False, 1, 0)
+  """
+
+  inner_state: optax.OptState
+  last_step_applied: jax.Array
+  consecutive_skips: jax.Array
+  total_skips: jax.Array
+  nonfinite_skips: jax.Array
+  spike_skips: jax.Array
+  consecutive_spike_skips: jax.Array
+  spike_rebases: jax.Array
+  grad_norm: stat_lib.RunningStatistic | None = None
+  loss: stat_lib.RunningStatistic | None = None
+
+
+class SkipBadSteps(optax.GradientTransformationExtraArgs):
+  """The `GradientTransformationExtraArgs` returned by `skip_bad_steps`.
+
+  The `(init, update)` pair optax expects, plus `inner_optimizer` and
+  `get_config()`.
+
+  Example:
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.skip_bad_steps(optax.sgd(0.1), spike_threshold=6.0)
+    >>> isinstance(tx, optax.GradientTransformationExtraArgs), tx.get_config()['monitor']
+    (True, ['grad_norm'])
+  """
+
+  __slots__ = ()
+
+  @property
+  def inner_optimizer(self) -> optax.GradientTransformation:
+    """The wrapped transformation."""
+    return getattr(self.update, optimizer_lib._SETTINGS_ATTR)["inner"]
+
+  def get_config(self) -> dict[str, Any]:
+    """A JSON-serializable dict of the settings (not the inner's)."""
+    return dict(getattr(self.update, optimizer_lib._SETTINGS_ATTR)["config"])
+
+
+def _sum_of_squares(tree: Any) -> jax.Array:
+  """The squared global L2 norm of the inexact leaves, accumulated in float32 or wider."""
+  total = jnp.zeros((), jnp.float32)
+  for g in jax.tree.leaves(tree):
+    if not tree_utils.is_inexact(g) or not jnp.size(g):
+      continue
+    g = jnp.asarray(g)
+    if jnp.iscomplexobj(g):
+      g = jnp.abs(g)
+    g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+    total = total + jnp.sum(g * g).astype(jnp.float32)
+  return total
+
+
+def _check_monitor(monitor: Any) -> tuple[str, ...]:
+  names = (monitor,) if isinstance(monitor, str) else monitor
+  accepted = f"one of {MONITORS} or a tuple of them"
+  if not isinstance(names, (tuple, list)) or not names:
+    raise ValueError(f"monitor must be {accepted}; got {monitor!r}.")
+  if any(n not in MONITORS for n in names) or len(set(names)) != len(names):
+    raise ValueError(f"monitor must be {accepted}, without repeats; got {monitor!r}.")
+  return tuple(n for n in MONITORS if n in names)
+
+
+def skip_bad_steps(
+  inner: optax.GradientTransformation,
+  *,
+  spike_threshold: float | None = None,
+  monitor: str | Sequence[str] = "grad_norm",
+  warmup_steps: int = 100,
+  ema_decay: float = 0.99,
+  min_std: float = 0.05,
+  max_consecutive_spike_skips: int = 10,
+  on_spike_streak: Literal["accept", "raise"] = "accept",
+  max_consecutive_skips: int | None = None,
+  skip_mode: optimizer_lib.SkipMode = "auto",
+  axis_name: tree_utils.AxisName = None,
+) -> SkipBadSteps:
+  """Wraps an optax transformation to skip non-finite steps and, optionally, spikes.
+
+  For runs without loss scaling (bfloat16, float32). A step is skipped when
+  its gradients (or their norm, or the watched loss) hold NaN/Inf, and, with
+  `spike_threshold` set, when the log of the global gradient norm or the loss
+  (`monitor`) lies more than `spike_threshold` running standard deviations
+  above its running mean, after `warmup_steps` accepted steps. The running
+  mean and variance are exponential moving averages (`ema_decay`) over the
+  **applied** steps only (an all-zero gradient, whose log-norm is -inf, is
+  applied without feeding it); the standard deviation is floored at
+  `min_std` (for the log-norm, a relative change; for the loss, times |mean|).
+
+  A skipped step returns zero updates (of the dtypes `inner` returns) and
+  leaves `inner`'s state bit-identical. An applied step returns exactly what
+  `inner.update(grads, inner_state, params, **extra_args)` returns. After
+  `max_consecutive_spike_skips` spike skips in a row the next spike is taken
+  as a change of regime: `on_spike_streak='accept'` applies it and re-centres
+  the statistic on it, `'raise'` raises `OverflowGuardError` with a gradient
+  report. `ols.metrics(state)` reports the skips by reason and the statistic.
+
+  With `loss` in `monitor`, pass the (unscaled, scalar) loss to every update:
+  `tx.update(grads, state, params, loss=loss)`. It is also passed on to
+  `inner`, as optax passes extra arguments.
+
+  Inside `shard_map`/`pmap`, pass `axis_name`: the squared norm is summed
+  (`psum`) and the loss averaged (`pmean`) across it, so every shard makes
+  the same decision. Gradients already equal across a named axis give a norm
+  sqrt(n) times too large; the decision is unchanged (a constant factor
+  shifts the log-norm and its mean alike).
+
+  To combine with loss scaling (float16), put this inside the loss-scale
+  wrapper, `loss_scale_optimizer(skip_bad_steps(inner, ...))`: an overflow is
+  then handled (and the scale backs off) before this sees the step, and it
+  sees unscaled gradients, whose norm does not jump when the scale changes.
+  The other order is rejected at `init`.
+
+  Args:
+    inner: the transformation to wrap, e.g. `optax.adam(1e-3)` or a chain.
+    spike_threshold: the z-score above which a watched value is a spike, a
+      positive number; None (default) skips non-finite steps only and
+      computes no norm.
+    monitor: what to watch for spikes: `'grad_norm'` (default), `'loss'`, or
+      both as a tuple (a spike in either skips).
+    warmup_steps: applied steps that feed the statistic before spikes are
+      detected (an integer >= 1).
+    ema_decay: the moving averages' decay, in [0, 1); about `1/(1-decay)`
+      steps of memory. The first steps average exactly.
+    min_std: the floor on the standard deviation (>= 0).
+    max_consecutive_spike_skips: spike skips tolerated in a row (>= 1).
+    on_spike_streak: `'accept'` or `'raise'`: what the next spike does.
+    max_consecutive_skips: if set (>= 1), a skipped step that makes the streak
+      of skips (any reason) longer than this raises `OverflowGuardError`.
+    skip_mode: `'cond'` (via `'auto'`, the default) runs `inner` inside
+      `lax.cond`; `'select'` runs it always and selects the result.
+    axis_name: inside `shard_map`/`pmap`, the axis name(s) to agree across.
+
+  Returns:
+    A `SkipBadSteps`, an `optax.GradientTransformationExtraArgs`;
+    `ols.apply_gradients(tx, ...)` fuses its parameter update into the skip
+    branch.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.skip_bad_steps(optax.sgd(0.1), spike_threshold=6.0, warmup_steps=2)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for g in (1.0, 1.1, 1.0, jnp.nan, 1000.0, 1.05):
+    ...   params, state = ols.apply_gradients(tx, {'w': jnp.full(2, g)}, state, params)
+    >>> m = ols.metrics(state)
+    >>> int(m['nonfinite_skips']), int(m['spike_skips']), int(m['total_skips'])
+    (1, 1, 2)
+
+  References:
+    `optax.apply_if_finite`; Levanter's loss-spike skipping; Paxml's
+    `is_valid_step`.
+  """
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+      "inner must be an optax.GradientTransformation (e.g. optax.adam(1e-3));"
+      f" got {type(inner).__name__}."
+    )
+  if isinstance(inner, optimizer_lib.LossScaleOptimizer):
+    raise ValueError(
+      "skip_bad_steps must go inside the loss-scale wrapper, not around it:"
+      " loss_scale_optimizer(skip_bad_steps(inner, ...)), so that an overflow"
+      " backs the scale off and the spike check sees unscaled gradients."
+    )
+  if spike_threshold is not None:
+    spike_threshold = validation.check_float(
+      "spike_threshold",
+      spike_threshold,
+      low=0.0,
+      low_inclusive=False,
+      accepted="None (no spike detection) or a positive number",
+    )
+  monitors = _check_monitor(monitor) if spike_threshold is not None else ()
+  if spike_threshold is None:
+    _check_monitor(monitor)
+  warmup_steps = validation.check_int(
+    "warmup_steps", warmup_steps, low=1, accepted="an integer >= 1"
+  )
+  ema_decay = validation.check_float(
+    "ema_decay",
+    ema_decay,
+    low=0.0,
+    low_inclusive=True,
+    high=1.0,
+    high_inclusive=False,
+    accepted="a number in [0, 1)",
+  )
+  min_std = validation.check_float(
+    "min_std", min_std, low=0.0, low_inclusive=True, accepted="a number >= 0"
+  )
+  max_consecutive_spike_skips = validation.check_int(
+    "max_consecutive_spike_skips",
+    max_consecutive_spike_skips,
+    low=1,
+    accepted="an integer >= 1",
+  )
+  if on_spike_streak not in _ON_SPIKE_STREAK:
+    raise ValueError(f"on_spike_streak must be one of {_ON_SPIKE_STREAK}; got {on_spike_streak!r}.")
+  if max_consecutive_skips is not None:
+    max_consecutive_skips = validation.check_int(
+      "max_consecutive_skips",
+      max_consecutive_skips,
+      low=1,
+      accepted=f"None (no limit) or an integer in [1, {validation.INT32_MAX}]",
+    )
+  if skip_mode not in optimizer_lib._SKIP_MODES:
+    raise ValueError(f"skip_mode must be one of {optimizer_lib._SKIP_MODES}; got {skip_mode!r}.")
+  axis_name = tree_utils.normalize_axis_name(axis_name)
+  resolved_mode = "cond" if skip_mode == "auto" else skip_mode
+  config = {
+    "spike_threshold": spike_threshold,
+    "monitor": list(monitors),
+    "warmup_steps": warmup_steps,
+    "ema_decay": ema_decay,
+    "min_std": min_std,
+    "max_consecutive_spike_skips": max_consecutive_spike_skips,
+    "on_spike_streak": on_spike_streak,
+    "max_consecutive_skips": max_consecutive_skips,
+    "skip_mode": resolved_mode,
+    "axis_name": list(axis_name) if isinstance(axis_name, tuple) else axis_name,
+  }
+  guard = skip_guard.make_guard(config)
+  user_inner, inner = inner, optax.with_extra_args_support(inner)
+
+  def init_fn(params: optax.Params) -> SkipBadStepsState:
+    inner_state = inner.init(params)
+    nested = jax.tree.leaves(
+      inner_state, is_leaf=lambda x: isinstance(x, optimizer_lib.LossScaleOptimizerState)
+    )
+    if any(isinstance(x, optimizer_lib.LossScaleOptimizerState) for x in nested):
+      raise ValueError(
+        "skip_bad_steps must go inside the loss-scale wrapper, not around it:"
+        " loss_scale_optimizer(skip_bad_steps(inner, ...))."
+      )
+    zero = jnp.zeros((), jnp.int32)
+    return SkipBadStepsState(
+      inner_state=inner_state,
+      last_step_applied=jnp.ones((), jnp.bool_),
+      consecutive_skips=zero,
+      total_skips=zero,
+      nonfinite_skips=zero,
+      spike_skips=zero,
+      consecutive_spike_skips=zero,
+      spike_rebases=zero,
+      grad_norm=stat_lib.init() if "grad_norm" in monitors else None,
+      loss=stat_lib.init() if "loss" in monitors else None,
+    )
+
+  def watched_values(grads: Any, loss: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Whether the step is finite, and the watched values (raw) by name."""
+    values = {}
+    if "grad_norm" in monitors:
+      squares = _sum_of_squares(grads)
+      if axis_name is not None:
+        squares = jax.lax.psum(squares, axis_name)
+      values["grad_norm"] = jnp.sqrt(squares)
+      # A NaN/Inf anywhere makes the norm NaN/Inf (on every shard, after the
+      # psum): the norm is the finiteness check, one pass over the gradients.
+      finite = jnp.isfinite(values["grad_norm"])
+    else:
+      finite = tree_utils.all_finite(grads, axis_name)
+    if "loss" in monitors:
+      if loss is None:
+        raise ValueError(
+          "skip_bad_steps(monitor=...'loss'...) needs the loss: call"
+          " tx.update(grads, state, params, loss=loss)."
+        )
+      loss = jnp.asarray(loss)
+      if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(
+          f"loss must be a real floating scalar; got dtype {loss.dtype} and shape {loss.shape}."
+        )
+      loss = loss.astype(jnp.float32)
+      if axis_name is not None:
+        loss = jax.lax.pmean(loss, axis_name)
+      values["loss"] = loss
+      finite = finite & jnp.isfinite(loss)
+    return finite, values
+
+  def step(
+    grads: optax.Updates,
+    state: SkipBadStepsState,
+    params: optax.Params | None,
+    extra_args: dict[str, Any],
+    apply_to_params: bool,
+  ) -> tuple[Any, SkipBadStepsState]:
+    finite, values = watched_values(grads, extra_args.get("loss"))
+    stats = {name: getattr(state, name) for name in monitors}
+    # The statistic's units: the log of the norm (scale-free), the loss itself.
+    xs = {n: jnp.log(v) if n == "grad_norm" else v for n, v in values.items()}
+    spiked = {
+      n: (stats[n].count >= warmup_steps)
+      & (stat_lib.zscore(stats[n], xs[n], min_std, relative=n == "loss") > spike_threshold)
+      for n in monitors
+    }
+    spike = functools.reduce(jnp.logical_or, spiked.values(), jnp.asarray(False)) & finite
+    streak_over = spike & (state.consecutive_spike_skips >= max_consecutive_spike_skips)
+    rebase = streak_over if on_spike_streak == "accept" else jnp.asarray(False)
+    spike_skip = spike & ~rebase
+    should_apply = finite & ~spike_skip
+
+    def apply_inner(grads: Any, inner_state: Any, params: Any) -> tuple[Any, Any]:
+      updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
+      if apply_to_params:
+        # Inside the branch the updates fuse into the parameter update.
+        return optax.apply_updates(params, updates), inner_state
+      return updates, inner_state
+
+    operands = (grads, state.inner_state, params)
+    old_params = params if apply_to_params else None
+    if resolved_mode == "cond":
+
+      def skip_inner(grads: Any, inner_state: Any, params: Any) -> tuple[Any, Any]:
+        shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
+        return skip_branch.skip_outputs(shapes, inner_state, params if apply_to_params else None)
+
+      # The pass-through is the false branch, so XLA aliases the state buffers.
+      out, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
+    else:
+      new_out, new_inner_state = apply_inner(*operands)
+      shapes = jax.eval_shape(lambda tree: tree, (new_out, new_inner_state))
+      old_out, old_inner_state = skip_branch.skip_outputs(shapes, state.inner_state, old_params)
+      out = tree_utils.select_tree(should_apply, new_out, old_out)
+      inner_state = tree_utils.select_tree(should_apply, new_inner_state, old_inner_state)
+
+    new_stats = {}
+    for n in monitors:
+      fed = jax.tree.map(
+        functools.partial(jnp.where, spiked[n] & rebase),
+        stat_lib.rebase(stats[n], xs[n]),
+        stat_lib.accumulate(stats[n], xs[n], ema_decay),
+      )
+      # A zero norm (log -inf) says nothing about the scale of the next one and
+      # would poison the mean: it is applied but does not feed the statistic.
+      feeds = should_apply & jnp.isfinite(xs[n])
+      kept = jax.tree.map(functools.partial(jnp.where, feeds), fed, stats[n])
+      new_stats[n] = kept._replace(last=values[n])
+
+    skipped = ~should_apply
+    as_int = lambda b: b.astype(jnp.int32)
+    consecutive_skips = jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32)
+    spike_streak = state.consecutive_spike_skips
+    if guard is not None:
+      too_many = jnp.asarray(False)
+      if max_consecutive_skips is not None:
+        too_many = skipped & (consecutive_skips > max_consecutive_skips)
+      raising = streak_over if on_spike_streak == "raise" else jnp.asarray(False)
+      consecutive_skips = guard(grads, consecutive_skips, spike_streak, too_many, raising, values)
+    return out, SkipBadStepsState(
+      inner_state=inner_state,
+      last_step_applied=should_apply,
+      consecutive_skips=consecutive_skips,
+      total_skips=state.total_skips + as_int(skipped),
+      nonfinite_skips=state.nonfinite_skips + as_int(~finite),
+      spike_skips=state.spike_skips + as_int(spike_skip),
+      consecutive_spike_skips=jnp.where(
+        spike_skip, spike_streak + 1, jnp.where(should_apply, 0, spike_streak)
+      ).astype(jnp.int32),
+      spike_rebases=state.spike_rebases + as_int(rebase),
+      grad_norm=new_stats.get("grad_norm"),
+      loss=new_stats.get("loss"),
+    )
+
+  def update_fn(
+    grads: optax.Updates,
+    state: SkipBadStepsState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, SkipBadStepsState]:
+    return step(grads, state, params, extra_args, apply_to_params=False)
+
+  def apply_gradients_fn(
+    grads: optax.Updates,
+    state: SkipBadStepsState,
+    params: optax.Params,
+    **extra_args: Any,
+  ) -> tuple[optax.Params, SkipBadStepsState]:
+    return step(grads, state, params, extra_args, apply_to_params=True)
+
+  # The loss-scale wrapper's attribute: `ols.apply_gradients` and the Flax
+  # TrainState find the fused step through it (optimizer.fused_apply_gradients).
+  setattr(
+    update_fn,
+    optimizer_lib._SETTINGS_ATTR,
+    {
+      "inner": user_inner,
+      "config": config,
+      "update": update_fn,
+      "apply_gradients": apply_gradients_fn,
+    },
+  )
+  return SkipBadSteps(init_fn, update_fn)
