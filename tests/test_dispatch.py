@@ -119,3 +119,28 @@ def test_the_profile_sees_package_python_when_it_runs():
 
   found = _package_functions(jax.jit(lambda b: b), Box(jnp.ones(2)))
   assert any("tree_utils.py" in f and "normalize_axis_name" in f for f in found), found
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(
+  "make_tx",
+  [
+    lambda: ols.skip_bad_steps(optax.adam(1e-3)),
+    lambda: ols.skip_bad_steps(optax.adam(1e-3), spike_threshold=4.0, warmup_steps=1),
+    lambda: ols.loss_scale_optimizer(ols.skip_bad_steps(optax.adam(1e-3), spike_threshold=4.0)),
+  ],
+  ids=["nonfinite", "spike", "inside_loss_scale"],
+)
+def test_skip_bad_steps_step_runs_no_package_python(make_tx, fused):
+  tx = make_tx()
+  params, grads = _problem()
+  if fused:
+    step = jax.jit(lambda params, state, grads: ols.apply_gradients(tx, grads, state, params))
+  else:
+
+    @jax.jit
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+  assert _package_functions(step, params, tx.init(params), grads) == []

@@ -301,7 +301,7 @@ class SkipBadStepsTest(chex.TestCase, parameterized.TestCase):
     assert tx.inner_optimizer is inner
     config = tx.get_config()
     assert config["spike_threshold"] == 5.0 and config["monitor"] == ["grad_norm"]
-    assert config["axis_name"] == ["a", "b"] and config["skip_mode"] == "cond"
+    assert config["axis_name"] == ["a", "b"] and config["skip_mode"] == "auto"
 
 
 class CompositionTest(chex.TestCase):

@@ -194,8 +194,9 @@ def skip_bad_steps(
     on_spike_streak: `'accept'` or `'raise'`: what the next spike does.
     max_consecutive_skips: if set (>= 1), a skipped step that makes the streak
       of skips (any reason) longer than this raises `OverflowGuardError`.
-    skip_mode: `'cond'` (via `'auto'`, the default) runs `inner` inside
-      `lax.cond`; `'select'` runs it always and selects the result.
+    skip_mode: `'cond'` runs `inner` inside `lax.cond`; `'select'` runs it
+      always and selects the result; `'auto'` (the default) picks per backend
+      when the update is traced, as `loss_scale_optimizer` does.
     axis_name: inside `shard_map`/`pmap`, the axis name(s) to agree across.
 
   Returns:
@@ -274,7 +275,6 @@ def skip_bad_steps(
   if skip_mode not in optimizer_lib._SKIP_MODES:
     raise ValueError(f"skip_mode must be one of {optimizer_lib._SKIP_MODES}; got {skip_mode!r}.")
   axis_name = tree_utils.normalize_axis_name(axis_name)
-  resolved_mode = "cond" if skip_mode == "auto" else skip_mode
   config = {
     "spike_threshold": spike_threshold,
     "monitor": list(monitors),
@@ -284,7 +284,7 @@ def skip_bad_steps(
     "max_consecutive_spike_skips": max_consecutive_spike_skips,
     "on_spike_streak": on_spike_streak,
     "max_consecutive_skips": max_consecutive_skips,
-    "skip_mode": resolved_mode,
+    "skip_mode": skip_mode,
     "axis_name": list(axis_name) if isinstance(axis_name, tuple) else axis_name,
   }
   guard = skip_guard.make_guard(config)
@@ -376,7 +376,7 @@ def skip_bad_steps(
 
     operands = (grads, state.inner_state, params)
     old_params = params if apply_to_params else None
-    if resolved_mode == "cond":
+    if optimizer_lib.resolve_skip_mode(skip_mode) == "cond":
 
       def skip_inner(grads: Any, inner_state: Any, params: Any) -> tuple[Any, Any]:
         shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
