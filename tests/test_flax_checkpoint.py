@@ -183,6 +183,17 @@ def test_loss_scale_kind_mismatch_is_a_clear_error(
   check_loss_scale_kind(state, jax.eval_shape(lambda: _make_state(saved)))  # same kind: fine
 
 
+def test_mismatch_hint_names_built_in_kinds_whatever_user_subclasses_exist(tmp_path):
+  class SameFieldsAsDynamic(ols.DynamicLossScale):  # registered as it is defined
+    pass
+
+  state = _make_state(None)
+  abstract = jax.eval_shape(lambda: _make_state(8.0))
+  with pytest.raises(ValueError, match=r"it holds the state of a DynamicLossScale \(keys"):
+    serialization.from_bytes(abstract, serialization.to_bytes(state))
+  assert ols.LossScale._registry["SameFieldsAsDynamic"] is SameFieldsAsDynamic
+
+
 # -- NNX ----------------------------------------------------------------------
 
 

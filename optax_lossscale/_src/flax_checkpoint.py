@@ -24,12 +24,17 @@ from optax_lossscale._src import loss_scale as loss_scale_lib
 
 
 def _kinds_with(fields: set[str]) -> str:
-  """Names the loss-scale classes whose state has exactly these fields."""
-  kinds = sorted(
-    name
-    for name, cls in loss_scale_lib.LossScale._registry.items()
-    if set(cls._state_fields) == fields
-  )
+  """Names the loss-scale classes whose state has exactly these fields.
+
+  The library's own kinds are named first; user subclasses (registered as they
+  are defined) only when no built-in kind matches, so the hint stays the same
+  whatever else the program has defined.
+  """
+  matching = [
+    cls for cls in loss_scale_lib.LossScale._registry.values() if set(cls._state_fields) == fields
+  ]
+  builtin = [c for c in matching if c.__module__.startswith("optax_lossscale.")]
+  kinds = sorted(c.__name__ for c in (builtin or matching))
   return " or ".join(kinds) if kinds else "no known loss scale"
 
 
