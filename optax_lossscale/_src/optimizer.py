@@ -405,9 +405,7 @@ def loss_scale_optimizer(
       nonfinite_leaves = overflow_guard.update_nonfinite_leaves(
         nonfinite_leaves, checked, should_apply, axis_name
       )
-    if guard is not None:
-      consecutive_skips = guard(ls, should_apply, consecutive_skips, grads)
-    return out, LossScaleOptimizerState(
+    new_state = LossScaleOptimizerState(
       inner_state=inner_state,
       loss_scale=new_ls,
       last_step_applied=should_apply,
@@ -415,6 +413,11 @@ def loss_scale_optimizer(
       total_skips=state.total_skips + skipped.astype(jnp.int32),
       nonfinite_leaves=nonfinite_leaves,
     )
+    if guard is not None:
+      new_state = overflow_guard.keep_alive(
+        guard(ls, should_apply, consecutive_skips, grads), new_state
+      )
+    return out, new_state
 
   def update_fn(
     grads: optax.Updates,

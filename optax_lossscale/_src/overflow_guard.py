@@ -14,8 +14,9 @@ hands it to a host callback that raises; the false branch is empty, so a run
 that never trips it pays a scalar predicate and a branch, never a host round
 trip. When both options are off nothing of this module is traced at all.
 
-The callback is a `jax.pure_callback` whose (zero) result is added to the
-skip counter, not a `jax.debug.callback`: a computation with effects, such as
+The callback is a `jax.pure_callback` whose (zero) result is folded into
+every scalar of the new wrapper state (`keep_alive`), not a
+`jax.debug.callback`: a computation with effects, such as
 a debug callback, loses jit's C++ dispatch fast path, which cost 0.1 to 1 ms
 per call on CPU even when the callback never ran. Any host callback still
 makes the CPU runtime execute the step synchronously (the call returns once
@@ -203,8 +204,9 @@ def make_guard(
 
   The guard takes the step's loss scale (before its update), whether the step
   is applied, the new consecutive-skip count and the scaled gradients, and
-  returns the skip count unchanged. Threading the count through the check is
-  what keeps it alive: a `pure_callback` whose result is unused is pruned.
+  returns an int32 zero; `keep_alive` folds it into the new state so the
+  compiler cannot prune it (a `pure_callback` whose result is unused is dead
+  code).
   """
   if not loss_scale.dynamic or (max_consecutive_skips is None and not raise_at_min_loss_scale):
     return None
@@ -252,6 +254,41 @@ def make_guard(
       too_many,
       at_min,
     )
-    return consecutive_skips + zero
+    return zero
 
   return guard
+
+
+def _fold(zero: jax.Array, x: Any) -> Any:
+  """`x` with the guard's zero folded in: the same value, now depending on the guard."""
+  if not isinstance(x, jax.Array) or jnp.ndim(x) != 0:
+    return x
+  if x.dtype == jnp.bool_:
+    return x & (zero == 0)
+  return x + zero.astype(x.dtype)
+
+
+def keep_alive(zero: jax.Array, state: Any) -> Any:
+  """Folds the guard's zero into every scalar of the new wrapper state.
+
+  A pure callback is dead code unless an output the caller keeps depends on
+  it. Folding it into one counter was not enough: a step returning only the
+  params, the loss scale and `total_skips`, a `lax.scan` whose final carry is
+  dropped, or `jit(vmap(...))` pruned the guard. Every scalar of the state now
+  depends on it: the loss scale (which the next step's skip decision and
+  unscaling read, so it stays live through a scan even when the caller keeps
+  only the params), the counters and `last_step_applied`. A scalar add per
+  leaf, no pass over the gradients or the params. The one gap: a caller who
+  keeps nothing of the new state (only the updates or params of one call)
+  keeps no output the guard can reach; such a loop never updates the scale
+  either. The inner state and `nonfinite_leaves` are left as they are: they
+  can be arbitrarily large.
+  """
+  ls = state.loss_scale
+  fold = lambda x: _fold(zero, x)
+  return state._replace(
+    loss_scale=jax.tree.map(fold, ls),
+    last_step_applied=fold(state.last_step_applied),
+    consecutive_skips=fold(state.consecutive_skips),
+    total_skips=fold(state.total_skips),
+  )

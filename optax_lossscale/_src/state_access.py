@@ -23,12 +23,17 @@ def _is_state(x: Any) -> bool:
 
 
 def _is_box(x: Any) -> bool:
-  """Whether `x` is a one-array box such as an `nnx.Variable`.
+  """Whether `x` is a one-value box such as an `nnx.Variable`.
 
-  `nnx.Optimizer` keeps every optimizer-state leaf in a Variable, a pytree with
-  exactly one leaf; recognising it generically keeps Flax out of the core.
+  `nnx.Optimizer` keeps every optimizer-state leaf in a Variable. A Variable is
+  recognised by what it is (a pytree node with a `value` or `get_value`
+  accessor), never by how many leaves it holds: a dict or a one-field
+  NamedTuple with one leaf is a subtree, and unboxing it would cut its path.
+  This keeps Flax out of the core.
   """
-  if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic)):
+  if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic, dict, list, tuple)):
+    return False
+  if not (hasattr(type(x), "get_value") or hasattr(type(x), "value")):
     return False
   return len(jax.tree.leaves(x)) == 1
 
