@@ -19,6 +19,7 @@ from optax_lossscale._src.overflow_guard import OverflowGuardError
 from optax_lossscale._src.scale_advisor import ScaleAdvice, suggest_loss_scale
 from optax_lossscale._src.serialization import deserialize, get, serialize
 from optax_lossscale._src.state_access import (
+  check_composition,
   get_loss_scale,
   get_scaled_loss,
   get_unscaled_gradients,
@@ -41,6 +42,7 @@ __all__ = (
   "ScaleAdvice",
   "all_finite",
   "apply_gradients",
+  "check_composition",
   "deserialize",
   "format_gradient_report",
   "get",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,16 @@ def check_options(
   record_nonfinite_leaves = validation.check_bool(
     "record_nonfinite_leaves", record_nonfinite_leaves
   )
+  if not loss_scale.dynamic and (max_consecutive_skips is not None or raise_at_min_loss_scale):
+    # Accepted (a config may switch the scale kind), but never silently.
+    warnings.warn(
+      f"max_consecutive_skips={max_consecutive_skips} / raise_at_min_loss_scale="
+      f"{raise_at_min_loss_scale} have no effect with a {type(loss_scale).__name__}:"
+      " a fixed loss scale never skips a step, so the overflow guard can never"
+      " fire. Use a dynamic loss scale (loss_scale='dynamic') for the guard.",
+      UserWarning,
+      stacklevel=3,
+    )
   if raise_at_min_loss_scale and loss_scale.dynamic and not hasattr(loss_scale, "min_loss_scale"):
     raise ValueError(
       "raise_at_min_loss_scale=True needs a loss scale with a min_loss_scale"

@@ -10,9 +10,11 @@ through it, without importing Flax.
 from __future__ import annotations
 
 from typing import Any
+import warnings
 
 import jax
 import numpy as np
+import optax
 
 from optax_lossscale._src import loss_scale as loss_scale_lib
 from optax_lossscale._src.optimizer import LossScaleOptimizerState
@@ -71,6 +73,13 @@ def find_state(opt_state: Any) -> LossScaleOptimizerState:
   Raises:
     ValueError: if there is none, or more than one (the paths are listed).
   """
+  if isinstance(opt_state, optax.GradientTransformation):
+    raise TypeError(
+      "Got the optimizer (a GradientTransformation), not its state: pass the"
+      " optimizer state, opt_state = tx.init(params), e.g."
+      " get_scaled_loss(loss, opt_state). Unlike Keras, the optax optimizer holds no"
+      " loss scale; the state does."
+    )
   if not isinstance(opt_state, LossScaleOptimizerState) and hasattr(opt_state, "opt_state"):
     opt_state = opt_state.opt_state
   found = []
@@ -96,6 +105,112 @@ def find_state(opt_state: Any) -> LossScaleOptimizerState:
       " must wrap the optimizer once."
     )
   return _plain(found[0][1])
+
+
+def _find_path(opt_state: Any) -> tuple[Any, ...] | None:
+  """The key path of the first wrapper state in `opt_state`, or None."""
+  for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0]:
+    if _is_state(node):
+      return path
+  return None
+
+
+def _child(node: Any, key: Any) -> Any:
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return node[key.idx]
+  if isinstance(key, jax.tree_util.DictKey):
+    return node[key.key]
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return getattr(node, key.name)
+  raise KeyError(key)
+
+
+def composition_problem(opt_state: Any) -> str | None:
+  """Says why the wrapper's position in `opt_state` gives wrong results, or None.
+
+  Detectable from the state alone: a wrapper inside `optax.apply_if_finite`
+  or `optax.MultiSteps`, or after another transformation in a `chain` or
+  `named_chain` (that one then sees the *scaled* gradients).
+  """
+  if isinstance(opt_state, optax.GradientTransformation):
+    return None
+  if not isinstance(opt_state, LossScaleOptimizerState) and hasattr(opt_state, "opt_state"):
+    opt_state = opt_state.opt_state
+  path = _find_path(opt_state)
+  if not path:
+    return None
+  node = opt_state
+  for depth, key in enumerate(path):
+    where = jax.tree_util.keystr(path[:depth]) or "the top level"
+    if isinstance(node, optax.ApplyIfFiniteState):
+      return (
+        f"loss_scale_optimizer is wrapped in optax.apply_if_finite (at {where}): it"
+        " hides overflows from the wrapper, so the loss scale does not back off until"
+        " apply_if_finite gives up. Drop apply_if_finite: loss_scale_optimizer already"
+        " skips non-finite steps."
+      )
+    if isinstance(node, optax.MultiStepsState):
+      return (
+        f"loss_scale_optimizer is wrapped in optax.MultiSteps (at {where}): one overflow"
+        " poisons the accumulator. Wrap the other way round:"
+        " loss_scale_optimizer(optax.MultiSteps(inner, k).gradient_transformation())."
+      )
+    first = (
+      type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey) and key.idx > 0
+    ) or (
+      isinstance(node, dict)
+      and isinstance(key, jax.tree_util.DictKey)
+      and next(iter(node)) != key.key
+    )
+    if first:
+      return (
+        f"loss_scale_optimizer is not first in its chain (at {where}{key}): the"
+        " transformations before it receive the *scaled* gradients (clipping clips"
+        " them, weight decay is divided by the scale). Put them inside instead:"
+        " loss_scale_optimizer(optax.chain(...))."
+      )
+    try:
+      node = _child(node, key)
+    except (KeyError, IndexError, AttributeError, TypeError):
+      return None
+  return None
+
+
+def check_composition(opt_state: Any) -> None:
+  """Raises if the wrapper sits where it gives silently wrong results.
+
+  `optax.chain(clip, loss_scale_optimizer(sgd))` clips the *scaled*
+  gradients; `optax.apply_if_finite(loss_scale_optimizer(adam), k)` hides
+  overflows from the wrapper so its scale does not back off;
+  `optax.MultiSteps(loss_scale_optimizer(...), k)` cannot recover from one
+  overflow. Their states show it, so this check needs only the state.
+  `get_scaled_loss` and `value_and_grad` warn about the same cases.
+
+  Args:
+    opt_state: the optimizer state (or a `TrainState` / `nnx.Optimizer`).
+
+  Raises:
+    ValueError: naming the problem and the fix.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = optax.chain(optax.clip(1.0), ols.loss_scale_optimizer(optax.sgd(0.1)))
+    >>> try:
+    ...   ols.check_composition(tx.init(jnp.ones(2)))
+    ... except ValueError as e:
+    ...   print('not first in its chain' in str(e))
+    True
+  """
+  problem = composition_problem(opt_state)
+  if problem is not None:
+    raise ValueError(problem)
+
+
+def warn_composition(opt_state: Any) -> None:
+  problem = composition_problem(opt_state)
+  if problem is not None:
+    warnings.warn(problem, UserWarning, stacklevel=3)
 
 
 def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
@@ -142,6 +257,8 @@ def get_scaled_loss(loss: Any, opt_state: Any) -> Any:
     >>> ols.get_scaled_loss(jnp.float32(0.5), state)
     Array(4., dtype=float32)
   """
+  if not isinstance(opt_state, loss_scale_lib.LossScale):
+    warn_composition(opt_state)
   return get_loss_scale(opt_state).scale(loss)
 
 
