@@ -366,6 +366,9 @@ def loss_scale_optimizer(
       the streak of consecutive skips longer than this raises
       `OverflowGuardError` from the step, with a report naming the leaves
       that overflowed. Off by default; when off nothing is added to the step.
+      The guard fires whatever the caller keeps of the new state (any of its
+      scalars, or the next step through a `scan`); a caller keeping none of
+      it keeps nothing the guard can reach.
     raise_at_min_loss_scale: raise `OverflowGuardError` when a step overflows
       although the scale is already at the loss scale's `min_loss_scale`.
       The error is raised from a host callback, so jax delivers it as a

@@ -164,7 +164,8 @@ def composition_problem(opt_state: Any) -> str | None:
     )
     if first:
       return (
-        f"loss_scale_optimizer is not first in its chain (at {where}{key}): the"
+        f"loss_scale_optimizer is not first in its chain (at"
+        f" {jax.tree_util.keystr(path[: depth + 1])}): the"
         " transformations before it receive the *scaled* gradients (clipping clips"
         " them, weight decay is divided by the scale). Put them inside instead:"
         " loss_scale_optimizer(optax.chain(...))."
@@ -188,6 +189,9 @@ def check_composition(opt_state: Any) -> None:
 
   Args:
     opt_state: the optimizer state (or a `TrainState` / `nnx.Optimizer`).
+
+  Returns:
+    None, when the wrapper is outermost (or alone).
 
   Raises:
     ValueError: naming the problem and the fix.
@@ -248,7 +252,9 @@ def get_scaled_loss(loss: Any, opt_state: Any) -> Any:
     opt_state: the state of a `loss_scale_optimizer`, possibly nested.
 
   Returns:
-    `loss` times the current scale, in `loss`'s dtype.
+    `loss` times the current scale, in `loss`'s dtype: a float16 loss stays
+    float16 (jmp promotes it to float32), so `16 * 2**15` is `inf` there.
+    Compute the loss in float32.
 
   Example:
     >>> import jax.numpy as jnp, optax
