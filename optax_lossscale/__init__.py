@@ -20,6 +20,7 @@ from optax_lossscale._src.scale_advisor import ScaleAdvice, suggest_loss_scale
 from optax_lossscale._src.serialization import deserialize, get, serialize
 from optax_lossscale._src.skip_bad_steps import SkipBadSteps, SkipBadStepsState, skip_bad_steps
 from optax_lossscale._src.state_access import (
+  check_composition,
   get_loss_scale,
   get_scaled_loss,
   get_unscaled_gradients,
@@ -44,6 +45,7 @@ __all__ = (
   "SkipBadStepsState",
   "all_finite",
   "apply_gradients",
+  "check_composition",
   "deserialize",
   "format_gradient_report",
   "get",

@@ -83,11 +83,23 @@ def test_non_finite_values_are_ignored_and_counted():
   assert advice.num_nonfinite == 3 and advice.num_values == 1 and advice.scale == 2.0**11
 
 
-def test_all_zero_or_empty_gives_the_cap():
-  for grads in ({"w": np.zeros(4, np.float32)}, {}, [None]):
-    advice = ols.suggest_loss_scale(grads, max_scale=1000.0)
-    assert advice.scale == 512.0 and advice.headroom == math.inf
-    assert advice.underflow_before == advice.underflow_after == 0.0
+def test_a_sample_with_nothing_usable_is_refused():
+  # An empty, all-zero or all-overflowed sample used to be answered with the cap (2^24).
+  samples = (
+    {"w": np.zeros(4, np.float32)},
+    {},
+    [None],
+    {"w": np.array([np.inf, -np.inf, np.nan], np.float32)},
+    [np.zeros(2, np.float16), np.arange(3)],
+  )
+  for grads in samples:
+    with pytest.raises(ValueError, match="no finite, nonzero floating value"):
+      ols.suggest_loss_scale(grads)
+
+
+def test_one_usable_value_is_enough():
+  advice = ols.suggest_loss_scale({"w": np.array([0.0, np.nan, 1.0], np.float32)})
+  assert advice.num_values == 1 and advice.num_nonfinite == 1
 
 
 def test_bfloat16_target():

@@ -137,6 +137,7 @@ class DynamicLossScale(LossScale):
       low=1.0,
       low_inclusive=False,
       accepted="a finite number > 1",
+      not_one_in_float32=True,
     )
     low = validation.check_float(
       "min_loss_scale", min_loss_scale, low=0.0, low_inclusive=False, accepted=positive
@@ -164,6 +165,7 @@ class DynamicLossScale(LossScale):
         high=1.0,
         high_inclusive=False,
         accepted="None or a number in the open interval (0, 1)",
+        not_one_in_float32=True,
       )
     tolerance = validation.check_int(
       "hysteresis", hysteresis, low=1, accepted=f"an integer in [1, {validation.INT32_MAX}]"

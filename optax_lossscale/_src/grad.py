@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from optax_lossscale._src import loss_scale as loss_scale_lib
 from optax_lossscale._src import state_access, validation
 
 # Turns a function `f(*args) -> (scaled_loss, (loss, aux))` into one returning
@@ -42,15 +43,24 @@ def scaled_value_and_grad(
   validation.check_bool("has_aux", has_aux)
 
   def wrapped(loss_scale: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    if not isinstance(loss_scale, loss_scale_lib.LossScale):
+      state_access.warn_composition(loss_scale)
     ls = state_access.get_loss_scale(loss_scale)
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[Any, tuple[Any, Any]]:
       out = fun(*args, **kwargs)
       if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
+          if hasattr(out, "shape") and hasattr(out, "dtype"):
+            # Under differentiation the array is a tracer, whose type name would only confuse.
+            got = f"a single array of shape {tuple(out.shape)} and dtype {out.dtype}"
+            hint = " Pass has_aux=False for a function that returns only the loss."
+          else:
+            got = type(out).__name__
+            got += f" of {len(out)}" if isinstance(out, tuple) else ""
+            hint = ""
           raise TypeError(
-            "With has_aux=True, fun must return a pair (loss, aux); got"
-            f" {type(out).__name__}{'' if not isinstance(out, tuple) else f' of {len(out)}'}."
+            f"With has_aux=True, fun must return a pair (loss, aux); got {got}.{hint}"
           )
         loss, aux = out
       else:

@@ -185,6 +185,39 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       **self._settings["diagnostics"],
     }
 
+  @classmethod
+  def from_config(
+    cls, config: dict[str, Any], inner: optax.GradientTransformation
+  ) -> LossScaleOptimizer:
+    """Rebuilds the wrapper that `get_config()` describes, around `inner`.
+
+    The inner transformation is not part of the config (optax transformations
+    are closures, not serializable), so it is passed again.
+
+    Args:
+      config: a dict returned by `get_config()` (or its JSON round trip).
+      inner: the transformation to wrap, e.g. `optax.adam(1e-3)`.
+
+    Returns:
+      A `LossScaleOptimizer` whose `get_config()` equals `config`.
+
+    Example:
+      >>> import optax
+      >>> import optax_lossscale as ols
+      >>> tx = ols.loss_scale_optimizer(optax.adam(1e-3), max_consecutive_skips=3)
+      >>> again = ols.LossScaleOptimizer.from_config(tx.get_config(), optax.adam(1e-3))
+      >>> again.get_config() == tx.get_config()
+      True
+    """
+    if not isinstance(config, dict) or "loss_scale" not in config:
+      raise ValueError(
+        "config must be a dict returned by LossScaleOptimizer.get_config(); got"
+        f" {type(config).__name__}{'' if not isinstance(config, dict) else ' without loss_scale'}."
+      )
+    # The keyword form only restates the serialized loss scale.
+    derived = ("dynamic", "initial_scale", "dynamic_growth_steps")
+    return loss_scale_optimizer(inner, **{k: v for k, v in config.items() if k not in derived})
+
 
 def _resolve_loss_scale(
   loss_scale: Any,
@@ -197,9 +230,18 @@ def _resolve_loss_scale(
   if not keyword_form:
     return serialization.get(loss_scale)
   if not (isinstance(loss_scale, str) and loss_scale == "dynamic"):
+    # `loss_scale_optimizer(inner, **tx.get_config())` passes both forms; accept
+    # them when they describe the same scale.
+    resolved = serialization.get(loss_scale)
+    if _keywords_agree(resolved, dynamic, initial_scale, dynamic_growth_steps):
+      return resolved
     raise ValueError(
       "Pass either loss_scale= or the keyword form (dynamic=, initial_scale=,"
-      f" dynamic_growth_steps=), not both; got loss_scale={loss_scale!r}."
+      f" dynamic_growth_steps=), not both; got loss_scale={loss_scale!r} with"
+      f" dynamic={dynamic!r}, initial_scale={initial_scale!r},"
+      f" dynamic_growth_steps={dynamic_growth_steps!r}, which describe another scale."
+      " To rebuild a wrapper from get_config(), use"
+      " LossScaleOptimizer.from_config(config, inner)."
     )
   if dynamic is None:
     dynamic = True
@@ -231,6 +273,21 @@ def _resolve_loss_scale(
     raise
 
 
+def _keywords_agree(
+  ls: loss_scale_lib.LossScale,
+  dynamic: bool | None,
+  initial_scale: float | None,
+  dynamic_growth_steps: int | None,
+) -> bool:
+  """Whether Keras's keyword form, where given, describes the `LossScale` `ls`."""
+  growth = ls.increment_period if isinstance(ls, dynamic_loss_scale.DynamicLossScale) else None
+  return (
+    (dynamic is None or dynamic == ls.dynamic)
+    and (initial_scale is None or float(initial_scale) == float(ls()))
+    and (dynamic_growth_steps is None or dynamic_growth_steps == growth)
+  )
+
+
 def _scaling_keeps_finiteness(ls: loss_scale_lib.LossScale) -> bool:
   """Whether the scaled gradients are finite exactly where the unscaled are.
 
@@ -247,6 +304,29 @@ def _scaling_keeps_finiteness(ls: loss_scale_lib.LossScale) -> bool:
     getattr(type(ls), method) is getattr(base, method) for method in ("update", "adjust", "unscale")
   )
   return same_rules and ls.min_loss_scale >= 1
+
+
+def _check_float_grads(grads: optax.Updates) -> None:
+  """Raises at trace time if a gradient leaf is an integer or bool array.
+
+  An integer leaf cannot be a gradient of the scaled loss that unscaling
+  turns into the true one: `g / S` is not an integer, and passing it through
+  would hand the inner optimizer a value `S` times too large (a silent
+  `[-4, -8]` for `[-1, -2]` at scale 4). `jax.grad(..., allow_int=True)` gives
+  integer parameters `float0` gradients, which pass; so do `None` leaves.
+  """
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    dtype = getattr(g, "dtype", None)
+    if dtype is None or dtype == jax.dtypes.float0:
+      continue
+    if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
+      raise TypeError(
+        f"loss_scale_optimizer got an integer gradient leaf at"
+        f" {jax.tree_util.keystr(path) or '<root>'} (dtype {dtype}); it cannot be"
+        " unscaled and would reach the inner optimizer multiplied by the loss scale."
+        " Give that leaf a float gradient, a float0 one (jax.grad(...,"
+        " allow_int=True)) or None, or keep it out of the optimized params."
+      )
 
 
 def loss_scale_optimizer(
@@ -280,6 +360,12 @@ def loss_scale_optimizer(
   `min_loss_scale >= 1` (the default) the finiteness check reads the scaled
   gradients as they are, which gives the same answer: dividing by a scale of
   at least 1 cannot change which values are finite.
+
+  Every gradient leaf must be floating or `None` (`float0` leaves pass this
+  check, if the inner optimizer takes them): an integer or bool leaf raises a
+  `TypeError` naming its path when the step is traced. It cannot be unscaled
+  (`g / S` is no integer), and passing it through would feed the inner
+  optimizer a value `S` times too large without a word.
 
   To step, `apply_gradients(tx, grads, state, params)` is cheaper than
   `update` followed by `optax.apply_updates`: it applies the updates inside
@@ -316,6 +402,9 @@ def loss_scale_optimizer(
       the streak of consecutive skips longer than this raises
       `OverflowGuardError` from the step, with a report naming the leaves
       that overflowed. Off by default; when off nothing is added to the step.
+      The guard fires whatever the caller keeps of the new state (any of its
+      scalars, or the next step through a `scan`); a caller keeping none of
+      it keeps nothing the guard can reach.
     raise_at_min_loss_scale: raise `OverflowGuardError` when a step overflows
       although the scale is already at the loss scale's `min_loss_scale`.
       The error is raised from a host callback, so jax delivers it as a
@@ -383,6 +472,7 @@ def loss_scale_optimizer(
     apply_to_params: bool,
   ) -> tuple[Any, LossScaleOptimizerState]:
     """One update; returns the updates, or with `apply_to_params` the new params."""
+    _check_float_grads(grads)
     ls = state.loss_scale
 
     def apply_inner(
@@ -442,9 +532,7 @@ def loss_scale_optimizer(
       nonfinite_leaves = overflow_guard.update_nonfinite_leaves(
         nonfinite_leaves, checked, should_apply, axis_name
       )
-    if guard is not None:
-      consecutive_skips = guard(ls, should_apply, consecutive_skips, grads)
-    return out, LossScaleOptimizerState(
+    new_state = LossScaleOptimizerState(
       inner_state=inner_state,
       loss_scale=new_ls,
       last_step_applied=should_apply,
@@ -452,6 +540,11 @@ def loss_scale_optimizer(
       total_skips=state.total_skips + skipped.astype(jnp.int32),
       nonfinite_leaves=nonfinite_leaves,
     )
+    if guard is not None:
+      new_state = overflow_guard.keep_alive(
+        guard(ls, should_apply, consecutive_skips, grads), new_state
+      )
+    return out, new_state
 
   def update_fn(
     grads: optax.Updates,

@@ -14,8 +14,9 @@ hands it to a host callback that raises; the false branch is empty, so a run
 that never trips it pays a scalar predicate and a branch, never a host round
 trip. When both options are off nothing of this module is traced at all.
 
-The callback is a `jax.pure_callback` whose (zero) result is added to the
-skip counter, not a `jax.debug.callback`: a computation with effects, such as
+The callback is a `jax.pure_callback` whose (zero) result is folded into
+every scalar of the new wrapper state (`keep_alive`), not a
+`jax.debug.callback`: a computation with effects, such as
 a debug callback, loses jit's C++ dispatch fast path, which cost 0.1 to 1 ms
 per call on CPU even when the callback never ran. Any host callback still
 makes the CPU runtime execute the step synchronously (the call returns once
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +148,16 @@ def check_options(
   record_nonfinite_leaves = validation.check_bool(
     "record_nonfinite_leaves", record_nonfinite_leaves
   )
+  if not loss_scale.dynamic and (max_consecutive_skips is not None or raise_at_min_loss_scale):
+    # Accepted (a config may switch the scale kind), but never silently.
+    warnings.warn(
+      f"max_consecutive_skips={max_consecutive_skips} / raise_at_min_loss_scale="
+      f"{raise_at_min_loss_scale} have no effect with a {type(loss_scale).__name__}:"
+      " a fixed loss scale never skips a step, so the overflow guard can never"
+      " fire. Use a dynamic loss scale (loss_scale='dynamic') for the guard.",
+      UserWarning,
+      stacklevel=3,
+    )
   if raise_at_min_loss_scale and loss_scale.dynamic and not hasattr(loss_scale, "min_loss_scale"):
     raise ValueError(
       "raise_at_min_loss_scale=True needs a loss scale with a min_loss_scale"
@@ -211,8 +223,9 @@ def make_guard(
 
   The guard takes the step's loss scale (before its update), whether the step
   is applied, the new consecutive-skip count and the scaled gradients, and
-  returns the skip count unchanged. Threading the count through the check is
-  what keeps it alive: a `pure_callback` whose result is unused is pruned.
+  returns an int32 zero; `keep_alive` folds it into the new state so the
+  compiler cannot prune it (a `pure_callback` whose result is unused is dead
+  code).
   """
   if not loss_scale.dynamic or (max_consecutive_skips is None and not raise_at_min_loss_scale):
     return None
@@ -260,6 +273,42 @@ def make_guard(
       too_many,
       at_min,
     )
-    return consecutive_skips + zero
+    return zero
 
   return guard
+
+
+def _fold(zero: jax.Array, x: Any) -> Any:
+  """`x` with the guard's zero folded in: the same value, now depending on the guard."""
+  if not isinstance(x, jax.Array) or jnp.ndim(x) != 0:
+    return x
+  if x.dtype == jnp.bool_:
+    return x & (zero == 0)
+  return x + zero.astype(x.dtype)
+
+
+def keep_alive(zero: jax.Array, state: Any) -> Any:
+  """Folds the guard's zero into every scalar of the new wrapper state.
+
+  A pure callback is dead code unless an output the caller keeps depends on
+  it. Folding it into one counter was not enough: a step returning only the
+  params, the loss scale and `total_skips`, a `lax.scan` whose final carry is
+  dropped, or `jit(vmap(...))` pruned the guard. Every scalar of the state now
+  depends on it: the loss scale (which the next step's skip decision and
+  unscaling read, so it stays live through a scan even when the caller keeps
+  only the params), the counters and `last_step_applied`. A scalar add per
+  leaf, no pass over the gradients or the params. The one gap: a caller who
+  keeps nothing of the new state (only the updates or params of one call)
+  keeps no output the guard can reach; such a loop never updates the scale
+  either. The inner state and `nonfinite_leaves` are left as they are: they
+  can be arbitrarily large.
+  """
+  return state._replace(**{f: fold_into_scalars(zero, getattr(state, f)) for f in _SCALAR_FIELDS})
+
+
+_SCALAR_FIELDS = ("loss_scale", "last_step_applied", "consecutive_skips", "total_skips")
+
+
+def fold_into_scalars(zero: jax.Array, tree: Any) -> Any:
+  """`tree` with the guard's zero folded into each scalar leaf (see `keep_alive`)."""
+  return jax.tree.map(lambda x: _fold(zero, x), tree)

@@ -125,7 +125,12 @@ def suggest_loss_scale(
     margin: the factor kept between `max|g| * scale` and the dtype's largest
       value, a finite number >= 1; 8 (three powers of two) by default.
     max_scale: the suggestion never exceeds this finite number >= 1 (it is
-      returned, rounded down to a power of two, when every gradient is zero).
+      returned, rounded down to a power of two, when no gradient bounds it).
+
+  Raises:
+    ValueError: if the sample holds no finite, nonzero floating value (it is
+      empty, all zeros, or all NaN/Inf): there is nothing to base a scale on,
+      and an all-overflowed sample must not be answered with the largest scale.
 
   Returns:
     A `ScaleAdvice`; use `advice.scale` as the initial (or fixed) scale.
@@ -166,6 +171,13 @@ def suggest_loss_scale(
   finite = np.isfinite(values)
   num_nonfinite = int(values.size - np.count_nonzero(finite))
   values = values[finite & (values != 0)]
+  if not values.size:
+    raise ValueError(
+      "grads holds no finite, nonzero floating value to base a loss scale on"
+      f" ({len(leaves)} floating leaves, {num_nonfinite} NaN/Inf values); pass the"
+      " *unscaled* float32 gradients of a few batches. If they overflow even"
+      " unscaled, loss scaling is not the cause: fix the loss or the model first."
+    )
 
   max_abs = float(np.max(np.abs(values))) if values.size else 0.0
   dtype_max = float(jax.numpy.finfo(target).max)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale._src import optimizer as optimizer_lib
-from optax_lossscale._src import skip_branch, skip_guard, tree_utils, validation
+from optax_lossscale._src import overflow_guard, skip_branch, skip_guard, tree_utils, validation
 from optax_lossscale._src import spike_statistic as stat_lib
 
 MONITORS = ("grad_norm", "loss")
@@ -408,13 +408,7 @@ def skip_bad_steps(
     as_int = lambda b: b.astype(jnp.int32)
     consecutive_skips = jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32)
     spike_streak = state.consecutive_spike_skips
-    if guard is not None:
-      too_many = jnp.asarray(False)
-      if max_consecutive_skips is not None:
-        too_many = skipped & (consecutive_skips > max_consecutive_skips)
-      raising = streak_over if on_spike_streak == "raise" else jnp.asarray(False)
-      consecutive_skips = guard(grads, consecutive_skips, spike_streak, too_many, raising, values)
-    return out, SkipBadStepsState(
+    new_state = SkipBadStepsState(
       inner_state=inner_state,
       last_step_applied=should_apply,
       consecutive_skips=consecutive_skips,
@@ -428,6 +422,22 @@ def skip_bad_steps(
       grad_norm=new_stats.get("grad_norm"),
       loss=new_stats.get("loss"),
     )
+    if guard is not None:
+      too_many = jnp.asarray(False)
+      if max_consecutive_skips is not None:
+        too_many = skipped & (consecutive_skips > max_consecutive_skips)
+      raising = streak_over if on_spike_streak == "raise" else jnp.asarray(False)
+      zero = guard(grads, consecutive_skips, spike_streak, too_many, raising, values)
+      # Every scalar of the new state depends on the guard, so it fires whatever
+      # the caller keeps; the inner state is left alone (it can be large).
+      new_state = new_state._replace(
+        **{
+          f: overflow_guard.fold_into_scalars(zero, getattr(new_state, f))
+          for f in new_state._fields
+          if f != "inner_state"
+        }
+      )
+    return out, new_state
 
   def update_fn(
     grads: optax.Updates,

@@ -56,9 +56,11 @@ def _guard_message(
 def make_guard(config: dict[str, Any]) -> Any:
   """The in-step guard (a cond around a raising host callback), or None when off.
 
-  The same construction as `loss_scale_optimizer`'s guard: the callback's zero
-  result is added to the skip count, so it is never pruned, and a run that never
-  fires pays a scalar predicate and an empty branch.
+  The same construction as `loss_scale_optimizer`'s guard: the guard returns
+  the callback's int32 zero, which the caller folds into every scalar of the
+  new state (`overflow_guard.fold_into_scalars`) so that the callback is never
+  pruned, and a run that never fires pays a scalar predicate and an empty
+  branch.
   """
   if config["max_consecutive_skips"] is None and config["on_spike_streak"] != "raise":
     return None
@@ -90,6 +92,6 @@ def make_guard(config: dict[str, Any]) -> Any:
     zero = jax.lax.cond(
       too_many | streak_over, fire, lambda *_: jnp.zeros((), jnp.int32), grads, *operands
     )
-    return skips + zero
+    return zero
 
   return guard

@@ -10,10 +10,12 @@ through it, without importing Flax.
 from __future__ import annotations
 
 from typing import Any
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from optax_lossscale._src import loss_scale as loss_scale_lib
 from optax_lossscale._src.optimizer import LossScaleOptimizerState
@@ -25,12 +27,17 @@ def _is_state(x: Any) -> bool:
 
 
 def _is_box(x: Any) -> bool:
-  """Whether `x` is a one-array box such as an `nnx.Variable`.
+  """Whether `x` is a one-value box such as an `nnx.Variable`.
 
-  `nnx.Optimizer` keeps every optimizer-state leaf in a Variable, a pytree with
-  exactly one leaf; recognising it generically keeps Flax out of the core.
+  `nnx.Optimizer` keeps every optimizer-state leaf in a Variable. A Variable is
+  recognised by what it is (a pytree node with a `value` or `get_value`
+  accessor), never by how many leaves it holds: a dict or a one-field
+  NamedTuple with one leaf is a subtree, and unboxing it would cut its path.
+  This keeps Flax out of the core.
   """
-  if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic)):
+  if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic, dict, list, tuple)):
+    return False
+  if not (hasattr(type(x), "get_value") or hasattr(type(x), "value")):
     return False
   return len(jax.tree.leaves(x)) == 1
 
@@ -60,6 +67,13 @@ def _plain(state: LossScaleOptimizerState) -> LossScaleOptimizerState:
 
 def _search(opt_state: Any, kind: type) -> list[tuple[Any, Any]]:
   """Every state of type `kind` nested in `opt_state`, with its path."""
+  if isinstance(opt_state, optax.GradientTransformation):
+    raise TypeError(
+      "Got the optimizer (a GradientTransformation), not its state: pass the"
+      " optimizer state, opt_state = tx.init(params), e.g."
+      " get_scaled_loss(loss, opt_state). Unlike Keras, the optax optimizer holds no"
+      " loss scale; the state does."
+    )
   if not isinstance(opt_state, (LossScaleOptimizerState, SkipBadStepsState)) and hasattr(
     opt_state, "opt_state"
   ):
@@ -152,6 +166,116 @@ _NEITHER = (
 )
 
 
+def _find_path(opt_state: Any) -> tuple[Any, ...] | None:
+  """The key path of the first wrapper state in `opt_state`, or None."""
+  for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0]:
+    if _is_state(node):
+      return path
+  return None
+
+
+def _child(node: Any, key: Any) -> Any:
+  if isinstance(key, jax.tree_util.SequenceKey):
+    return node[key.idx]
+  if isinstance(key, jax.tree_util.DictKey):
+    return node[key.key]
+  if isinstance(key, jax.tree_util.GetAttrKey):
+    return getattr(node, key.name)
+  raise KeyError(key)
+
+
+def composition_problem(opt_state: Any) -> str | None:
+  """Says why the wrapper's position in `opt_state` gives wrong results, or None.
+
+  Detectable from the state alone: a wrapper inside `optax.apply_if_finite`
+  or `optax.MultiSteps`, or after another transformation in a `chain` or
+  `named_chain` (that one then sees the *scaled* gradients).
+  """
+  if isinstance(opt_state, optax.GradientTransformation):
+    return None
+  if not isinstance(opt_state, LossScaleOptimizerState) and hasattr(opt_state, "opt_state"):
+    opt_state = opt_state.opt_state
+  path = _find_path(opt_state)
+  if not path:
+    return None
+  node = opt_state
+  for depth, key in enumerate(path):
+    where = jax.tree_util.keystr(path[:depth]) or "the top level"
+    if isinstance(node, optax.ApplyIfFiniteState):
+      return (
+        f"loss_scale_optimizer is wrapped in optax.apply_if_finite (at {where}): it"
+        " hides overflows from the wrapper, so the loss scale does not back off until"
+        " apply_if_finite gives up. Drop apply_if_finite: loss_scale_optimizer already"
+        " skips non-finite steps."
+      )
+    if isinstance(node, optax.MultiStepsState):
+      return (
+        f"loss_scale_optimizer is wrapped in optax.MultiSteps (at {where}): one overflow"
+        " poisons the accumulator. Wrap the other way round:"
+        " loss_scale_optimizer(optax.MultiSteps(inner, k).gradient_transformation())."
+      )
+    first = (
+      type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey) and key.idx > 0
+    ) or (
+      isinstance(node, dict)
+      and isinstance(key, jax.tree_util.DictKey)
+      and next(iter(node)) != key.key
+    )
+    if first:
+      return (
+        f"loss_scale_optimizer is not first in its chain (at"
+        f" {jax.tree_util.keystr(path[: depth + 1])}): the"
+        " transformations before it receive the *scaled* gradients (clipping clips"
+        " them, weight decay is divided by the scale). Put them inside instead:"
+        " loss_scale_optimizer(optax.chain(...))."
+      )
+    try:
+      node = _child(node, key)
+    except (KeyError, IndexError, AttributeError, TypeError):
+      return None
+  return None
+
+
+def check_composition(opt_state: Any) -> None:
+  """Raises if the wrapper sits where it gives silently wrong results.
+
+  `optax.chain(clip, loss_scale_optimizer(sgd))` clips the *scaled*
+  gradients; `optax.apply_if_finite(loss_scale_optimizer(adam), k)` hides
+  overflows from the wrapper so its scale does not back off;
+  `optax.MultiSteps(loss_scale_optimizer(...), k)` cannot recover from one
+  overflow. Their states show it, so this check needs only the state.
+  `get_scaled_loss` and `value_and_grad` warn about the same cases.
+
+  Args:
+    opt_state: the optimizer state (or a `TrainState` / `nnx.Optimizer`).
+
+  Returns:
+    None, when the wrapper is outermost (or alone).
+
+  Raises:
+    ValueError: naming the problem and the fix.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = optax.chain(optax.clip(1.0), ols.loss_scale_optimizer(optax.sgd(0.1)))
+    >>> try:
+    ...   ols.check_composition(tx.init(jnp.ones(2)))
+    ... except ValueError as e:
+    ...   print('not first in its chain' in str(e))
+    True
+  """
+  problem = composition_problem(opt_state)
+  if problem is not None:
+    raise ValueError(problem)
+
+
+def warn_composition(opt_state: Any) -> None:
+  problem = composition_problem(opt_state)
+  if problem is not None:
+    warnings.warn(problem, UserWarning, stacklevel=3)
+
+
 def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
   """Returns the current `LossScale` from a (possibly nested) optax state.
 
@@ -187,7 +311,9 @@ def get_scaled_loss(loss: Any, opt_state: Any) -> Any:
     opt_state: the state of a `loss_scale_optimizer`, possibly nested.
 
   Returns:
-    `loss` times the current scale, in `loss`'s dtype.
+    `loss` times the current scale, in `loss`'s dtype: a float16 loss stays
+    float16 (jmp promotes it to float32), so `16 * 2**15` is `inf` there.
+    Compute the loss in float32.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -196,6 +322,8 @@ def get_scaled_loss(loss: Any, opt_state: Any) -> Any:
     >>> ols.get_scaled_loss(jnp.float32(0.5), state)
     Array(4., dtype=float32)
   """
+  if not isinstance(opt_state, loss_scale_lib.LossScale):
+    warn_composition(opt_state)
   return get_loss_scale(opt_state).scale(loss)
 
 

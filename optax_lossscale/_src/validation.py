@@ -27,12 +27,15 @@ def check_float(
   high: float = math.inf,
   high_inclusive: bool = True,
   accepted: str,
+  not_one_in_float32: bool = False,
 ) -> float:
   """Converts a concrete number to float and checks its range, or raises.
 
   The number must also survive the conversion to float32, the dtype the
   scale is stored and computed in: finite there, and not flushed to zero
-  when it must be positive.
+  when it must be positive. With `not_one_in_float32` (factors the scale is
+  multiplied by) it must also differ from 1 once rounded to float32: 1.00000001
+  would be accepted as "> 1" and then never change the scale.
   """
   if isinstance(value, (bool, np.bool_)) or not isinstance(
     value, (numbers.Real, np.ndarray, np.generic, jax.Array)
@@ -50,6 +53,12 @@ def check_float(
   positive_lost = number > 0 and as_float32 == 0
   if not (math.isfinite(number) and above and below) or math.isinf(as_float32) or positive_lost:
     raise ValueError(f"{name} must be {accepted}, representable as a float32; got {value!r}.")
+  if not_one_in_float32 and as_float32 == 1.0:
+    raise ValueError(
+      f"{name} must be {accepted} and differ from 1 in float32 (the dtype the scale is"
+      f" computed in); got {value!r}, which rounds to exactly 1.0, so the scale would"
+      " never change."
+    )
   return number
 
 
