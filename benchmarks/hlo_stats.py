@@ -60,29 +60,33 @@ def aliased_inputs(hlo_text: str) -> int:
 # get-tuple-element, bitcast, tuple), order work (after-all, add-dependency,
 # opt-barrier, domain) or hand control to other computations, whose own
 # instructions are counted instead (call, conditional, while).
-_NO_LAUNCH = frozenset({
-  "parameter",
-  "constant",
-  "tuple",
-  "get-tuple-element",
-  "bitcast",
-  "call",
-  "conditional",
-  "while",
-  "after-all",
-  "add-dependency",
-  "opt-barrier",
-  "domain",
-})
-_COLLECTIVES = frozenset({
-  "all-reduce",
-  "all-gather",
-  "reduce-scatter",
-  "all-to-all",
-  "collective-permute",
-  "collective-broadcast",
-  "ragged-all-to-all",
-})
+_NO_LAUNCH = frozenset(
+  {
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "call",
+    "conditional",
+    "while",
+    "after-all",
+    "add-dependency",
+    "opt-barrier",
+    "domain",
+  }
+)
+_COLLECTIVES = frozenset(
+  {
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "ragged-all-to-all",
+  }
+)
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
 _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")

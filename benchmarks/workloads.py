@@ -182,6 +182,4 @@ def transformer_lm(
   tokens = _lm_tokens(vocab=vocab, seq=seq, batch=batch)
   params = model.init(jax.random.key(2), tokens[:, :-1])["params"]
   desc = f"Transformer LM {layers}x{d_model}, {heads} heads, {batch}x{seq} tokens, float16 compute"
-  return Workload(
-    f"lm_{_size_label(num_params(params))}", params, tokens, _lm_loss(model), desc
-  )
+  return Workload(f"lm_{_size_label(num_params(params))}", params, tokens, _lm_loss(model), desc)
