@@ -10,14 +10,27 @@ documents it, so the comparison measures the recipe, not our rewrite of it:
 * `bare_plus_one_read`: plain optax that also sums the gradients, one more
   read of them and nothing else: the yardstick of the target "within one
   extra read of the gradients of bare Adam".
+* `bare_plus_finiteness_read`: plain optax that also computes
+  `optax_lossscale.all_finite` of the gradients and keeps it, skipping
+  nothing: the floor of any recipe that checks the gradients (run on the GPU
+  only, `GPU_VARIANTS`).
 * `ols_*`: `optax_lossscale.loss_scale_optimizer` with a given `skip_mode`,
   stepped as optax documents (`update`, then `optax.apply_updates`) or with
   `optax_lossscale.apply_gradients`, which applies inside the skip branch.
-* `jmp`: jmp's README recipe: scale the loss, unscale the gradients,
-  `jmp.all_finite`, `adjust`, then `jmp.select_tree` over params and state.
+* `jmp_recipe`: jmp's README recipe: scale the loss, unscale the gradients,
+  `jmp.all_finite`, `adjust`, then `jmp.select_tree` over params and state,
+  with the loss scale carried through `jit` as its two arrays and
+  `jmp.DynamicLossScale` rebuilt inside the step: the generous variant, which
+  spares jmp the Python its object costs per call.
+* `jmp_object_recipe`: the same step carrying the `jmp.DynamicLossScale`
+  object itself through `jit`, as jmp's README does; jmp 0.0.4 runs
+  `jax.eval_shape` twice in its `__post_init__` at every unflatten, i.e. at
+  every call, for the output loss scale.
 * `flax`: `flax.training.dynamic_scale.DynamicScale.value_and_grad`, then
   `jnp.where(is_fin, new, old)` over params and optimizer state, as in Flax's
-  examples.
+  examples; the `DynamicScale` (a `flax.struct` dataclass, flattened by JAX's
+  C++ `register_dataclass`) is carried through `jit` in the state, as Flax's
+  examples carry it in their `TrainState`.
 * `apply_if_finite`: `optax.apply_if_finite` around the inner optimizer, fed
   gradients of the loss scaled by a fixed 2**15 (kept in the state) and
   divided back; it skips non-finite steps but cannot adjust a scale.
@@ -56,8 +69,17 @@ def _scaled_grads(
 
 
 class Recipe(NamedTuple):
+  """`init(params) -> state` and `step(params, state, batch) -> (params, state)`.
+
+  `lowers_flat`: the state holds a Python object that `jit(...).lower` cannot
+  rebuild from its placeholder leaves (jmp's `DynamicLossScale`); the runner
+  then inspects the step lowered over the state's leaves (the same
+  computation) and times the jitted step called the way users call it.
+  """
+
   init: Callable[[Any], Any]
   step: Callable[[Any, Any, Any], tuple[Any, Any]]
+  lowers_flat: bool = False
 
 
 def bare(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
@@ -79,6 +101,20 @@ def bare_plus_one_read(tx: optax.GradientTransformation, loss_fn: LossFn) -> Rec
     total = sum(jnp.sum(g, dtype=jnp.float32) for g in jax.tree.leaves(grads))
     updates, opt_state = tx.update(grads, state[0], params)
     return optax.apply_updates(params, updates), (opt_state, total)
+
+  return Recipe(init, step)
+
+
+def bare_plus_finiteness_read(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
+  def init(params):
+    return tx.init(params), jnp.ones((), jnp.bool_)
+
+  def step(params, state, batch):
+    grads = _grads(loss_fn, params, batch)
+    # Kept in the state, so XLA cannot drop the check; nothing is skipped.
+    finite = ols.all_finite(grads)
+    updates, opt_state = tx.update(grads, state[0], params)
+    return optax.apply_updates(params, updates), (opt_state, finite)
 
   return Recipe(init, step)
 
@@ -126,6 +162,28 @@ def jmp_recipe(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
     return params, (opt_state, (loss_scale.loss_scale, loss_scale.counter))
 
   return Recipe(init, step)
+
+
+def jmp_object_recipe(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
+  import jmp
+
+  def init(params):
+    return tx.init(params), jmp.DynamicLossScale(jnp.asarray(2.0**15, jnp.float32))
+
+  def step(params, state, batch):
+    opt_state, loss_scale = state
+    grads = _scaled_grads(loss_fn, params, batch, loss_scale.scale)
+    grads = loss_scale.unscale(grads)
+    grads_finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(grads_finite)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = jmp.select_tree(
+      grads_finite, (new_params, new_opt_state), (params, opt_state)
+    )
+    return params, (opt_state, loss_scale)
+
+  return Recipe(init, step, lowers_flat=True)
 
 
 def flax_recipe(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
@@ -181,7 +239,8 @@ VARIANTS: dict[str, Callable[[optax.GradientTransformation, LossFn], Recipe]] = 
   "ols apply_gradients (select)": functools.partial(
     optax_lossscale, skip_mode="select", fused=True
   ),
-  "jmp recipe": jmp_recipe,
+  "jmp (arrays carried through jit)": jmp_recipe,
+  "jmp (object carried through jit)": jmp_object_recipe,
   "flax DynamicScale": flax_recipe,
   "optax.apply_if_finite": apply_if_finite,
   # The diagnostics' costs (issue: guard against a scale that cannot recover).
@@ -193,5 +252,15 @@ VARIANTS: dict[str, Callable[[optax.GradientTransformation, LossFn], Recipe]] = 
     optax_lossscale, skip_mode="cond", record_nonfinite_leaves=True
   ),
 }
+# Run on the GPU only (`run.py --gpu-size`), where a step is device-bound.
+GPU_VARIANTS: dict[str, Callable[[optax.GradientTransformation, LossFn], Recipe]] = {
+  "bare + one finiteness read": bare_plus_finiteness_read,
+}
 BASELINE = "bare optax"
 ONE_READ = "bare + one read of grads"
+# Recipes whose library is an optional dependency of the benchmark.
+OPTIONAL = {
+  "jmp (arrays carried through jit)": "jmp",
+  "jmp (object carried through jit)": "jmp",
+  "flax DynamicScale": "flax",
+}

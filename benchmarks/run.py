@@ -9,6 +9,10 @@ of its time divided by the bare optax step's time in the *same* round.
 
 Writes `<out>/<backend>.json` and `<out>/<backend>.png` and, unless told
 otherwise, refreshes this backend's tables in `BENCHMARKS.md`.
+
+`--gpu-size` (for `run_gpu.sh`) adds the GPU-size workload, a 186M-parameter
+LM (`workloads.GPU_LM`, kind `large`), and the recipes of
+`recipes.GPU_VARIANTS` to every workload; CPU runs keep their small sizes.
 """
 
 from __future__ import annotations
@@ -39,7 +43,33 @@ from optax_lossscale._src import tree_utils
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PRE_CHANGE = "ols cond (jnp.all check)"
-PLOT_OMITS = frozenset({"ols auto", "ols cond + guard", "ols cond + record leaves", PRE_CHANGE})
+PLOT_OMITS = frozenset(
+  {
+    "ols auto",
+    "ols cond + guard",
+    "ols cond + record leaves",
+    "jmp (object carried through jit)",
+    PRE_CHANGE,
+  }
+)
+# Left out of the GPU-size LM, where every variant costs a compile of a
+# 186M-parameter model and 3 GB of params and state: the diagnostics, the
+# ablation and the variants that repeat another's executable.
+LARGE_OMITS = frozenset(
+  {
+    "ols auto",
+    "ols apply_gradients (select)",
+    "ols cond + guard",
+    "ols cond + record leaves",
+    PRE_CHANGE,
+  }
+)
+TITLES = {
+  "optimizer": "Optimizer update",
+  "train": "Full train step",
+  "large": "Full train step, GPU size",
+  "skip": "Skipped step",
+}
 
 
 @contextlib.contextmanager
@@ -57,10 +87,23 @@ def _copy_tree(tree: Any) -> Any:
   return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
-def _compile(recipe: recipes.Recipe, params: Any, batch: Any) -> tuple[Any, Any]:
+def _compile(recipe: recipes.Recipe, params: Any, batch: Any) -> tuple[Any, Any, Any]:
+  """`(callable step, compiled executable to inspect, initial state)`."""
   state = recipe.init(params)
   step = jax.jit(recipe.step, donate_argnums=(0, 1))
-  return step.lower(params, state, batch).compile(), state
+  if not recipe.lowers_flat:
+    compiled = step.lower(params, state, batch).compile()
+    return compiled, compiled, state
+  # The same computation over the state's leaves, for the executable's
+  # statistics; the step itself is timed as users call it, through `jit`.
+  leaves, treedef = jax.tree.flatten(state)
+
+  def flat_step(params, leaves, batch):
+    params, new_state = recipe.step(params, jax.tree.unflatten(treedef, leaves), batch)
+    return params, jax.tree.leaves(new_state)
+
+  flat = jax.jit(flat_step, donate_argnums=(0, 1)).lower(params, leaves, batch).compile()
+  return step, flat, state
 
 
 def measure(
@@ -71,22 +114,27 @@ def measure(
   skip_batch: Any = None,
   min_chunk_s: float = 0.03,
   seed: int = 0,
+  gpu_variants: bool = False,
+  omit: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-  """Compiles, inspects and times every variant on one workload."""
+  """Compiles, inspects and times every variant on one workload.
+
+  `gpu_variants` adds `recipes.GPU_VARIANTS`; `omit` names variants to leave out.
+  """
   tx = optax.adam(1e-3)
   shapes = [x.shape for x in jax.tree.leaves(workload.params)]
   runs: dict[str, dict[str, Any]] = {}
-  builders = dict(recipes.VARIANTS)
-  names = [*builders, PRE_CHANGE]
+  builders = {**recipes.VARIANTS, **(recipes.GPU_VARIANTS if gpu_variants else {})}
+  names = [name for name in [*builders, PRE_CHANGE] if name not in omit]
   for name in names:
     if name == PRE_CHANGE:
       recipe = recipes.optax_lossscale(tx, workload.loss_fn, skip_mode="cond")
       with _jnp_all_check():
-        compiled, state = _compile(recipe, workload.params, workload.batch)
+        step, compiled, state = _compile(recipe, workload.params, workload.batch)
     else:
       try:
         recipe = builders[name](tx, workload.loss_fn)
-        compiled, state = _compile(recipe, workload.params, workload.batch)
+        step, compiled, state = _compile(recipe, workload.params, workload.batch)
       except ImportError as e:  # jmp or flax missing where the benchmark runs
         print(f"skipping {name}: {e}", flush=True)
         continue
@@ -96,7 +144,7 @@ def measure(
     if skip_batch is not None and name not in (recipes.BASELINE, recipes.ONE_READ):
       batch = skip_batch
     runs[name] = {
-      "compiled": compiled,
+      "step": step,
       "params": _copy_tree(workload.params),
       "state": state,
       "batch": batch,
@@ -111,7 +159,7 @@ def measure(
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
-      params, state = run["compiled"](params, state, run["batch"])
+      params, state = run["step"](params, state, run["batch"])
     jax.block_until_ready((params, state))
     elapsed = time.perf_counter() - start
     run["cpu_times"].append((time.process_time() - cpu_start) / steps)
@@ -197,8 +245,18 @@ def measure(
   }
 
 
-def plan(quick: bool) -> list[dict[str, Any]]:
+def plan(quick: bool, gpu_size: bool = False) -> list[dict[str, Any]]:
   """The workloads to run, with their rounds (fewer where a step is slow)."""
+  large = []
+  if gpu_size:
+    large = [
+      {
+        "kind": "large",
+        "make": lambda: workloads.transformer_lm(**workloads.GPU_LM),
+        "rounds": 7,
+        "omit": LARGE_OMITS,
+      }
+    ]
   if quick:
     return [
       {"kind": "optimizer", "make": lambda: workloads.optimizer_only(2**18), "rounds": 5},
@@ -210,6 +268,7 @@ def plan(quick: bool) -> list[dict[str, Any]]:
         "rounds": 5,
       },
       {"kind": "skip", "size": 2**18, "rounds": 5},
+      *large,
     ]
   return [
     {"kind": "optimizer", "make": lambda: workloads.optimizer_only(2**20), "rounds": 15},
@@ -220,6 +279,7 @@ def plan(quick: bool) -> list[dict[str, Any]]:
     {"kind": "train", "make": lambda: workloads.transformer_lm(), "rounds": 7},
     {"kind": "skip", "size": 2**22, "rounds": 11},
     {"kind": "skip", "size": 2**24, "rounds": 5},
+    *large,
   ]
 
 
@@ -262,6 +322,16 @@ def _mib(n: int | None) -> str:
   return "?" if n is None else f"{n / 2**20:.1f}"
 
 
+def _kernels(result: dict[str, Any]) -> str:
+  """Launches of the compiled step, the copies among them named (memcpys on a GPU)."""
+  if "kernels" not in result:  # a report written before the column existed
+    return "?"
+  copies = result["kernel_kinds"]["copy"]
+  if not copies:
+    return str(result["kernels"])
+  return f"{result['kernels']} ({copies} cop{'y' if copies == 1 else 'ies'})"
+
+
 def markdown(report: dict[str, Any]) -> str:
   meta = report["meta"]
   v = meta["versions"]
@@ -273,18 +343,16 @@ def markdown(report: dict[str, Any]) -> str:
     "",
   ]
   for w in report["workloads"]:
-    title = {"optimizer": "Optimizer update", "train": "Full train step", "skip": "Skipped step"}[
-      w["kind"]
-    ]
+    title = TITLES[w["kind"]]
     lines += [
       f"#### {title}: {w['description']}, {w['num_params'] / 1e6:.2f}M params (`{w['name']}`)",
       "",
       f"{w['rounds']} interleaved rounds of {w['steps_per_round']} steps.",
       "",
       "| variant | ms/step | ratio to bare (IQR) | best-round ratio | CPU-time ratio"
-      " | ratio to bare + one read | page faults/step | temp MiB"
+      " | ratio to bare + one read | page faults/step | temp MiB | kernels"
       " | full-size copies (+fills) | host transfer | donated inputs aliased |",
-      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+      "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for name, r in w["results"].items():
       to_one_read = r.get("ratio_to_one_read")
@@ -293,7 +361,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{r['ratio_p75']:.2f}) | x{r['best_ratio']:.3f} | x{r['cpu_ratio']:.3f}"
         f" | {'-' if to_one_read is None else f'x{to_one_read:.3f}'}"
         f" | {r['page_faults_per_step']:.0f}"
-        f" | {_mib(r['temp_bytes'])} | {r['full_size_copies']} (+{r['fill_copies']})"
+        f" | {_mib(r['temp_bytes'])} | {_kernels(r)}"
+        f" | {r['full_size_copies']} (+{r['fill_copies']})"
         f" | {'yes' if r['host_transfer'] else 'no'} | {r['aliased_inputs']} |"
       )
     lines.append("")
@@ -362,7 +431,12 @@ def main(argv: list[str] | None = None) -> int:
   )
   parser.add_argument("--tag", default=None, help="suffix of the output names, e.g. 'cmdbuf'")
   parser.add_argument(
-    "--only", default=None, help="comma-separated kinds to run: optimizer, train, skip"
+    "--only", default=None, help="comma-separated kinds to run: optimizer, train, skip, large"
+  )
+  parser.add_argument(
+    "--gpu-size",
+    action="store_true",
+    help="add the 186M-parameter LM (kind 'large') and the GPU-only recipes",
   )
   args = parser.parse_args(argv)
 
@@ -375,8 +449,9 @@ def main(argv: list[str] | None = None) -> int:
   report: dict[str, Any] = {"meta": machine_info(), "workloads": []}
   report["meta"]["quick"] = args.quick
   started = time.perf_counter()
-  kinds = set(args.only.split(",")) if args.only else {"optimizer", "train", "skip"}
-  for item in (i for i in plan(args.quick) if i["kind"] in kinds):
+  report["meta"]["gpu_size"] = args.gpu_size
+  kinds = set(args.only.split(",")) if args.only else set(TITLES)
+  for item in (i for i in plan(args.quick, args.gpu_size) if i["kind"] in kinds):
     t0 = time.perf_counter()
     skip_batch = None
     if item["kind"] == "skip":
@@ -385,7 +460,14 @@ def main(argv: list[str] | None = None) -> int:
       skip_batch = poisoned.batch
     else:
       workload = item["make"]()
-    result = measure(workload, rounds=item["rounds"], kind=item["kind"], skip_batch=skip_batch)
+    result = measure(
+      workload,
+      rounds=item["rounds"],
+      kind=item["kind"],
+      skip_batch=skip_batch,
+      gpu_variants=args.gpu_size,
+      omit=item.get("omit", frozenset()),
+    )
     report["workloads"].append(result)
     summary = ", ".join(f"{k} x{r['ratio']:.2f}" for k, r in result["results"].items())
     print(f"[{time.perf_counter() - t0:5.1f}s] {result['name']}: {summary}", flush=True)

@@ -8,8 +8,11 @@
 # and its variant is skipped when neither is there. Runs the whole benchmark
 # twice: with XLA's defaults (lax.cond copies the predicate to the host and
 # waits for it every step) and with command-buffer conditionals, which keep
-# the branch on the device. Writes gpu.json/png, gpu-cmdbuf.json/png and
-# BENCHMARKS-gpu.md (both result blocks) into OUT_DIR.
+# the branch on the device; then the GPU-size LM (186M parameters) alone, with
+# the finiteness-read floor (--gpu-size). Writes gpu.json/png,
+# gpu-cmdbuf.json/png, gpu-large.json, BENCHMARKS-gpu.md (three result blocks)
+# and dispatch.txt (Python per dispatched call) into OUT_DIR.
+# PARTS picks some of "default cmdbuf large dispatch" (each under 10 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${1:-${OUT:-benchmarks/results}}"
@@ -22,6 +25,19 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -c "import jax; print(jax.devices())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
-"$py" -m benchmarks.run --out "$out_dir" --markdown "$out_dir/BENCHMARKS-gpu.md" "${@:2}"
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL" \
-  "$py" -m benchmarks.run --out "$out_dir" --markdown "$out_dir/BENCHMARKS-gpu.md" --tag cmdbuf "${@:2}"
+md="$out_dir/BENCHMARKS-gpu.md"
+for part in ${PARTS:-default cmdbuf large dispatch}; do
+  case "$part" in
+    default) "$py" -m benchmarks.run --out "$out_dir" --markdown "$md" --gpu-size \
+      --only optimizer,train,skip "${@:2}" ;;
+    cmdbuf) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+CONDITIONAL" \
+      "$py" -m benchmarks.run --out "$out_dir" --markdown "$md" --gpu-size \
+      --only optimizer,train,skip --tag cmdbuf "${@:2}" ;;
+    # 10 variants of the 186M LM hold ~30 GB of params and optimizer state.
+    large) XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-.9}" \
+      "$py" -m benchmarks.run --out "$out_dir" --markdown "$md" --gpu-size --only large \
+      --tag large "${@:2}" ;;
+    dispatch) "$py" -m benchmarks.dispatch_overhead | tee "$out_dir/dispatch.txt" ;;
+    *) echo "unknown part $part (default, cmdbuf, large, dispatch)" >&2; exit 2 ;;
+  esac
+done

@@ -8,6 +8,9 @@
   is the given one and which XLA reduces to a multiply fused into the unscale.
 * `mlp()`, `transformer_lm()`: Flax models computing in float16 from float32
   master parameters, trained with softmax cross-entropy computed in float32.
+  `transformer_lm(**GPU_LM)` is the GPU-size one (186M parameters, the GPT-style
+  LM of the H100 measurements), run only by `run.py --gpu-size`;
+  `transformer_lm_shapes` builds its parameters' shapes without allocating them.
 """
 
 from __future__ import annotations
@@ -99,15 +102,19 @@ def mlp(*, width: int = 1024, depth: int = 4, batch: int = 64, classes: int = 16
   return Workload(f"mlp_{_size_label(num_params(params))}", params, (x, y), loss_fn, desc)
 
 
-def transformer_lm(
-  *,
-  vocab: int = 512,
-  d_model: int = 256,
-  heads: int = 4,
-  layers: int = 4,
-  seq: int = 64,
-  batch: int = 8,
-) -> Workload:
+# A GPT-style LM of 186M parameters: sized for a GPU (about 45 ms a step on an
+# H100), far too slow for a CPU run.
+GPU_LM: dict[str, int] = {
+  "vocab": 32768,
+  "d_model": 1024,
+  "heads": 16,
+  "layers": 12,
+  "seq": 1024,
+  "batch": 8,
+}
+
+
+def _lm_model(*, vocab: int, d_model: int, heads: int, layers: int, seq: int) -> Any:
   import flax.linen as nn
 
   class Block(nn.Module):
@@ -131,13 +138,48 @@ def transformer_lm(
         x = Block()(x, mask)
       return embed.attend(nn.LayerNorm(dtype=COMPUTE_DTYPE)(x))
 
-  model = LM()
-  tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, vocab)
-  params = model.init(jax.random.key(2), tokens[:, :-1])["params"]
+  return LM()
 
+
+def _lm_tokens(*, vocab: int, seq: int, batch: int) -> jax.Array:
+  return jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, vocab)
+
+
+def transformer_lm_shapes(
+  *,
+  vocab: int = 512,
+  d_model: int = 256,
+  heads: int = 4,
+  layers: int = 4,
+  seq: int = 64,
+  batch: int = 8,
+) -> tuple[Any, Any, Any]:
+  """`(params, tokens, loss_fn)` of `transformer_lm` as shapes: nothing allocated or run."""
+  model = _lm_model(vocab=vocab, d_model=d_model, heads=heads, layers=layers, seq=seq)
+  tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+  init = lambda t: model.init(jax.random.key(2), t[:, :-1])["params"]
+  return jax.eval_shape(init, tokens), tokens, _lm_loss(model)
+
+
+def _lm_loss(model: Any) -> Any:
   def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
     logits = model.apply({"params": params}, tokens[:, :-1])
     return _cross_entropy(logits, tokens[:, 1:])
 
+  return loss_fn
+
+
+def transformer_lm(
+  *,
+  vocab: int = 512,
+  d_model: int = 256,
+  heads: int = 4,
+  layers: int = 4,
+  seq: int = 64,
+  batch: int = 8,
+) -> Workload:
+  model = _lm_model(vocab=vocab, d_model=d_model, heads=heads, layers=layers, seq=seq)
+  tokens = _lm_tokens(vocab=vocab, seq=seq, batch=batch)
+  params = model.init(jax.random.key(2), tokens[:, :-1])["params"]
   desc = f"Transformer LM {layers}x{d_model}, {heads} heads, {batch}x{seq} tokens, float16 compute"
-  return Workload(f"lm_{_size_label(num_params(params))}", params, tokens, loss_fn, desc)
+  return Workload(f"lm_{_size_label(num_params(params))}", params, tokens, _lm_loss(model), desc)

@@ -3,14 +3,29 @@
 The runner is not part of the package, but `make bench` and BENCHMARKS.md
 depend on it: every recipe must compile, step and stay finite, the compiled-step
 columns must be filled in, and the markdown table must hold every variant.
+The kernel counter is checked on the optimized HLO of three steps compiled on
+an H100 (`tests/data/adam_1M-*.hlo.txt`, from the GPU measurements).
 """
 
+import doctest
 import importlib.util
+import pathlib
 
 import jax
 import numpy as np
+import optax
+import pytest
 
-from benchmarks import recipes, run, workloads
+from benchmarks import dispatch_overhead, hlo_stats, recipes, run, workloads
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _installed(name: str) -> bool:
+  try:
+    return importlib.util.find_spec(name) is not None
+  except ImportError:  # a blocked or broken package counts as missing
+    return False
 
 
 def test_every_recipe_runs_and_is_reported():
@@ -19,21 +34,27 @@ def test_every_recipe_runs_and_is_reported():
   names = set(result["results"])
   expected = {*recipes.VARIANTS, run.PRE_CHANGE}
   # jmp and flax are optional: without them the runner skips their recipes.
-  if importlib.util.find_spec("jmp") is None:
-    expected.discard("jmp recipe")
-  if importlib.util.find_spec("flax") is None:
-    expected.discard("flax DynamicScale")
+  expected -= {name for name, package in recipes.OPTIONAL.items() if not _installed(package)}
   assert names == expected
   assert all(result["params_finite_after"].values())
   for name, r in result["results"].items():
     assert len(r["round_ms"]) == 2 and min(r["round_ms"]) > 0, name
     assert r["ratio_to_one_read"] > 0, name
     assert r["temp_bytes"] is not None and r["host_transfer"] is (name == "ols cond + guard")
+    assert r["kernels"] == sum(r["kernel_kinds"].values()) > 0, name
   assert result["results"][recipes.BASELINE]["ratio"] == 1.0
-  # The fused step allocates no parameter-sized temporary; update-then-apply does.
+  # Every loss-scaling recipe launches more than bare Adam: at least its check.
+  bare_kernels = result["results"][recipes.BASELINE]["kernels"]
+  assert all(r["kernels"] > bare_kernels for n, r in result["results"].items() if n != "bare optax")
+  # The fused step allocates no parameter-sized temporary.
   param_bytes = 4 * workloads.num_params(workload.params)
   assert result["results"]["ols apply_gradients"]["temp_bytes"] < param_bytes // 4
-  assert result["results"]["ols cond"]["temp_bytes"] >= param_bytes
+  if "jmp (object carried through jit)" in names:
+    # The same computation as the arrays-carried recipe: only the carrying differs.
+    same = ("kernels", "temp_bytes", "full_size_copies", "aliased_inputs")
+    objects = result["results"]["jmp (object carried through jit)"]
+    arrays = result["results"]["jmp (arrays carried through jit)"]
+    assert {k: objects[k] for k in same} == {k: arrays[k] for k in same}
   report = {"meta": run.machine_info(), "workloads": [result]}
   table = run.markdown(report)
   for name in names:
@@ -53,3 +74,125 @@ def test_skipped_step_workload_poisons_only_the_scaled_recipes():
   unchanged = result["params_unchanged_after"]
   assert {n for n, same in unchanged.items() if not same} == references
   assert all(result["params_finite_after"].values())
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's lowering of lax.cond")
+def test_update_then_apply_allocates_the_updates_on_cpu():
+  # On XLA:CPU the cond's update branch writes its updates to a temporary
+  # before `apply_updates` adds them; on the H100 the cond compiled to selects
+  # fused with the add, with 4 KB of temporaries.
+  workload = workloads.optimizer_only(2**14)
+  result = run.measure(workload, rounds=1, kind="optimizer", min_chunk_s=0.0, omit=_ALL_BUT_COND)
+  assert set(result["results"]) == {recipes.BASELINE, "ols cond"}
+  param_bytes = 4 * workloads.num_params(workload.params)
+  assert result["results"]["ols cond"]["temp_bytes"] >= param_bytes
+
+
+_ALL_BUT_COND = frozenset({*recipes.VARIANTS, run.PRE_CHANGE} - {recipes.BASELINE, "ols cond"})
+
+
+def test_kernel_counter_on_the_h100_executables():
+  counts = {
+    name: hlo_stats.count_launches((DATA / f"adam_1M-{name}.hlo.txt").read_text())
+    for name in ("ols_cond", "ols_select", "jmp_recipe")
+  }
+  # The GPU cond step: 28 kernels (4 leaf checks of the biases, 4 partial sums
+  # and 4 final checks of the matrices, the scale update, 5 scalar updates,
+  # 2 bias corrections, 8 fused Adam-and-select) and one scalar copy of the
+  # loss scale, a device-to-device memcpy.
+  assert counts["ols_cond"] == {
+    "fusion": 28,
+    "custom-call": 0,
+    "copy": 1,
+    "collective": 0,
+    "other": 0,
+    "total": 29,
+  }
+  assert counts["ols_select"]["fusion"] == 28 and counts["ols_select"]["copy"] == 2
+  assert counts["jmp_recipe"]["total"] == counts["jmp_recipe"]["fusion"] == 26
+
+
+def test_kernel_counter_walks_into_called_computations():
+  hlo = """HloModule m
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%taken (t: (f32[4])) -> (f32[4]) {
+  %t = (f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%t), index=0
+  %a = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused
+  %b = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused
+  ROOT %r = (f32[4]{0}) tuple(%b)
+}
+
+%skipped (s: (f32[4])) -> (f32[4]) {
+  %s = (f32[4]{0}) parameter(0)
+  %y = f32[4]{0} get-tuple-element(%s), index=0
+  %c = f32[4]{0} copy(%y)
+  ROOT %r2 = (f32[4]{0}) tuple(%c)
+}
+
+ENTRY %main (x: f32[4], k: pred[]) -> (f32[4]) {
+  %x = f32[4]{0} parameter(0)
+  %k = pred[] parameter(1)
+  %s = f32[] reduce(%x, %x), dimensions={0}, to_apply=%fused
+  %g = f32[4]{0} custom-call(%x), custom_call_target="__cublas$gemm"
+  %t = (f32[4]{0}) tuple(%g)
+  ROOT %c = (f32[4]{0}) conditional(%k, %t, %t), branch_computations={%taken, %skipped}
+}
+"""
+  # The reduce and the gemm, then the larger branch (two fusions); the fused
+  # computation's negate is part of its fusion, not a launch.
+  assert hlo_stats.count_launches(hlo) == {
+    "fusion": 2,
+    "custom-call": 1,
+    "copy": 0,
+    "collective": 0,
+    "other": 1,
+    "total": 4,
+  }
+  with pytest.raises(ValueError, match="ENTRY"):
+    hlo_stats.count_launches("HloModule m")
+  assert doctest.testmod(hlo_stats).failed == 0
+
+
+@pytest.mark.skipif(not _installed("jmp"), reason="jmp is an optional benchmark dependency")
+def test_dispatch_tool_counts_the_python_run_per_call():
+  results = dispatch_overhead.measure(
+    [recipes.BASELINE, "jmp (object carried through jit)", "jmp (arrays carried through jit)"],
+    size=2**10,
+    rounds=1,
+    calls=3,
+  )
+  for kind in ("identity", "step"):
+    bare = results[recipes.BASELINE][kind]
+    assert bare["ratio"] == 1.0 and bare["us"] > 0 and bare["package_calls"] == 0
+    # jmp's object runs its __post_init__ (two jax.eval_shape) at each unflatten;
+    # its two arrays cost no Python beyond bare optax's.
+    objects = results["jmp (object carried through jit)"][kind]
+    arrays = results["jmp (arrays carried through jit)"][kind]
+    assert objects["python_calls"] > 100 * bare["python_calls"]
+    assert arrays["python_calls"] == bare["python_calls"]
+
+
+@pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")
+def test_gpu_size_lm_builds_at_its_size_and_only_in_the_gpu_run():
+  params, tokens, loss_fn = workloads.transformer_lm_shapes(**workloads.GPU_LM)
+  assert 150e6 <= workloads.num_params(params) <= 200e6
+  assert tokens.shape == (8, 1025)
+  # The step traces at the GPU width with one layer (shapes only, nothing run).
+  params, tokens, loss_fn = workloads.transformer_lm_shapes(**{**workloads.GPU_LM, "layers": 1})
+  for name in ("bare optax", "ols cond"):
+    recipe = recipes.VARIANTS[name](optax.adam(1e-3), loss_fn)
+    state = jax.eval_shape(recipe.init, params)
+    new_params, _ = jax.eval_shape(recipe.step, params, state, tokens)
+    assert jax.tree.structure(new_params) == jax.tree.structure(params)
+  recipe = recipes.GPU_VARIANTS["bare + one finiteness read"](optax.adam(1e-3), loss_fn)
+  _, (_, finite) = jax.eval_shape(recipe.step, params, jax.eval_shape(recipe.init, params), tokens)
+  assert finite.dtype == np.bool_ and finite.shape == ()
+  assert {i["kind"] for i in run.plan(quick=True)} == {"optimizer", "train", "skip"}
+  assert "large" not in {i["kind"] for i in run.plan(quick=False)}
+  assert "large" in {i["kind"] for i in run.plan(quick=False, gpu_size=True)}
