@@ -6,6 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= dev,flax,bench
 
 .PHONY: install test lint demo bench bench-quick clean
+.PHONY: test-compat test-lowest test-py312 test-py313 constraints-lowest
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -34,5 +35,65 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
 
+# The other ends of the supported range, each in a virtual environment of its
+# own; `.ci/run` runs them after `make test` (the pinned set on Python 3.11).
+# On the lowest versions: the whole suite but what needs the pinned set: the
+# notebooks, the demos and the benchmarks (their extras are not installed),
+# the compiled-HLO facts (XLA-version specific), and the multi-device and
+# multi-process sessions (they use `jax.reshard`, `jax.distributed` options and
+# the sharding propagation of newer jax).
+LOWEST_IGNORE := $(addprefix --ignore=tests/,test_notebooks.py test_demo.py \
+  test_skip_bad_steps_demo.py test_benchmarks.py test_compiled_step.py \
+  test_multi_device.py test_multi_process.py multidevice)
+# On Python 3.12 and 3.13: the loss scales, the wrapper, skip_bad_steps and the
+# doctests, the code that a new Python could break; CI time allows no more.
+PY_TESTS := tests/test_loss_scale.py tests/test_optimizer.py tests/test_apply_gradients.py \
+  tests/test_skip_bad_steps.py tests/test_grad.py tests/test_tree_utils.py \
+  tests/test_overflow_guard.py tests/test_guard_outputs.py optax_lossscale
+TEST_DEPS := pytest pytest-xdist hypothesis jmp
+LOWEST := .venv-lowest
+PY312 := .venv-py312
+PY313 := .venv-py313
+
+test-compat: test-lowest test-py312 test-py313
+
+# The lowest declared versions (pyproject.toml's lower bounds, everything else
+# pinned by constraints-lowest.txt) on Python 3.11.
+test-lowest: $(LOWEST)/.installed-stamp
+	$(LOWEST)/bin/python .ci/lower_bounds.py --check flax
+	$(LOWEST)/bin/python -m pytest -n 2 --dist loadfile $(LOWEST_IGNORE)
+
+$(LOWEST)/.installed-stamp: pyproject.toml constraints-lowest.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "test-lowest needs Python 3.11"'
+	test -x $(LOWEST)/bin/python || $(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/python -m pip install --quiet -c constraints-lowest.txt -e '.[flax]' $(TEST_DEPS)
+	touch $@
+
+# The pinned set (constraints.txt) on Python 3.12 and 3.13, without the flax
+# extra (the Flax integration runs on 3.11 at both ends), to keep CI short.
+test-py312: $(PY312)/.installed-stamp
+	$(PY312)/bin/python -m pytest -n 2 --dist loadfile $(PY_TESTS)
+
+test-py313: $(PY313)/.installed-stamp
+	$(PY313)/bin/python -m pytest -n 2 --dist loadfile $(PY_TESTS)
+
+.venv-py3%/.installed-stamp: pyproject.toml constraints.txt
+	test -x .venv-py3$*/bin/python || $$(.ci/find-python 3.$*) -m venv .venv-py3$*
+	.venv-py3$*/bin/python -m pip install --quiet -c constraints.txt -e . $(TEST_DEPS)
+	touch $@
+
+# Regenerates constraints-lowest.txt after a lower bound in pyproject.toml
+# changes: a fresh environment holding exactly the lower bounds, and whatever
+# else pip resolves today, frozen.
+constraints-lowest:
+	rm -rf .venv-freeze
+	$(PYTHON) -m venv .venv-freeze
+	.venv-freeze/bin/python -m pip install --quiet $$($(PYTHON) .ci/lower_bounds.py flax) \
+	  -e '.[flax]' $(TEST_DEPS)
+	.venv-freeze/bin/python .ci/lower_bounds.py --check flax
+	{ echo '# The lowest declared versions and what pip resolved with them: `make constraints-lowest`.'; \
+	  .venv-freeze/bin/python -m pip freeze --exclude-editable; } > constraints-lowest.txt
+	rm -rf .venv-freeze
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(LOWEST) $(PY312) $(PY313) build dist *.egg-info

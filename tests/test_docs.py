@@ -4,6 +4,7 @@ example, and the README shows the demo and links the notebooks that exist."""
 import inspect
 import pathlib
 import re
+import tomllib
 
 import pytest
 
@@ -42,3 +43,26 @@ def test_readme_links_every_notebook():
   assert notebooks
   for name in notebooks:
     assert f"notebooks/{name}" in README, f"README does not link {name}"
+
+
+
+def test_readme_version_table_states_the_tested_versions():
+  # The lowest column is pyproject.toml's lower bounds (what `make test-lowest`
+  # installs), the newest the pins of constraints.txt (what `make test` installs).
+  section = README.split("## Supported versions\n", 1)[1].split("\n## ", 1)[0]
+  rows = re.findall(r"^\| ([^|]+?) \| ([\d.]+) \| ([\d.]+) \|$", section, re.MULTILINE)
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  requirements = project["dependencies"] + project["optional-dependencies"]["flax"]
+  lowest = dict(r.split(">=") for r in requirements)
+  pins = (ROOT / "constraints.txt").read_text().split()
+  newest = dict(p.split("==") for p in pins if not p.startswith("#"))
+  stated = set()
+  for package, low, high in rows:
+    names = re.sub(r"\(.*\)", "", package).replace(" ", "").split(",")
+    stated.update(names)
+    if names == ["Python"]:
+      assert project["requires-python"] == f">={low}"
+      continue
+    for name in names:
+      assert (lowest[name], newest[name]) == (low, high), name
+  assert stated == {"Python", *lowest}

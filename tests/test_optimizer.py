@@ -32,6 +32,11 @@ def batch(step):
   return jnp.cos(jnp.arange(6.0).reshape(2, 3) + step)
 
 
+def global_norm(tree):
+  """The L2 norm over all leaves, computed in float64 NumPy."""
+  return float(np.sqrt(sum(np.sum(np.square(np.float64(x))) for x in jax.tree.leaves(tree))))
+
+
 def corrupt(grads, kind):
   """Puts one non-finite value into the weight gradient."""
   value = {"nan": jnp.nan, "inf": jnp.inf, "-inf": -jnp.inf}[kind]
@@ -137,7 +142,7 @@ class EquivalenceTest(parameterized.TestCase):
     grads = jax.grad(lambda p: ols.get_scaled_loss(loss_fn(p, batch(0)), state))(params)
     updates, _ = tx.update(grads, state, params)
     true_grads = jax.grad(loss_fn)(params, batch(0))
-    assert float(optax.tree.norm(true_grads)) < 1.0 < float(optax.tree.norm(grads))
+    assert global_norm(true_grads) < 1.0 < global_norm(grads)
     chex.assert_trees_all_equal(updates, jax.tree.map(jnp.negative, true_grads))
 
 

@@ -14,12 +14,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_lossscale._src import compat
+
 
 def varying_axes(x: Any) -> frozenset[Any]:
   """The `shard_map` mesh axes `x` (a value or a ShapeDtypeStruct) varies over."""
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9; `vma` before
-  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()) or ())
+  return compat.varying_axes(x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x))
 
 
 def typed_like(old: Any, shape: jax.ShapeDtypeStruct, what: str) -> jax.Array:
@@ -40,10 +40,7 @@ def typed_like(old: Any, shape: jax.ShapeDtypeStruct, what: str) -> jax.Array:
     old = old.astype(shape.dtype)
   missing = varying_axes(shape) - varying_axes(old)
   if missing:
-    if hasattr(jax.lax, "pcast"):
-      old = jax.lax.pcast(old, tuple(missing), to="varying")
-    else:  # jax < 0.8
-      old = jax.lax.pvary(old, tuple(missing))
+    old = compat.pvary(old, tuple(missing))
   return old
 
 
