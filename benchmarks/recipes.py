@@ -150,18 +150,33 @@ def jmp_recipe(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
   def step(params, state, batch):
     opt_state, (scale, counter) = state
     loss_scale = jmp.DynamicLossScale(scale, counter)
-    grads = _scaled_grads(loss_fn, params, batch, loss_scale.scale)
-    grads = loss_scale.unscale(grads)
-    grads_finite = jmp.all_finite(grads)
-    loss_scale = loss_scale.adjust(grads_finite)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    params, opt_state = jmp.select_tree(
-      grads_finite, (new_params, new_opt_state), (params, opt_state)
-    )
+    params, opt_state, loss_scale = _jmp_step(tx, loss_fn, params, opt_state, loss_scale, batch)
     return params, (opt_state, (loss_scale.loss_scale, loss_scale.counter))
 
   return Recipe(init, step)
+
+
+def _jmp_step(
+  tx: optax.GradientTransformation,
+  loss_fn: LossFn,
+  params: Any,
+  opt_state: Any,
+  loss_scale: Any,
+  batch: Any,
+) -> tuple[Any, Any, Any]:
+  """jmp's README recipe: scale, unscale, check, adjust, select."""
+  import jmp
+
+  grads = _scaled_grads(loss_fn, params, batch, loss_scale.scale)
+  grads = loss_scale.unscale(grads)
+  grads_finite = jmp.all_finite(grads)
+  loss_scale = loss_scale.adjust(grads_finite)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  params, opt_state = jmp.select_tree(
+    grads_finite, (new_params, new_opt_state), (params, opt_state)
+  )
+  return params, opt_state, loss_scale
 
 
 def jmp_object_recipe(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
@@ -172,15 +187,7 @@ def jmp_object_recipe(tx: optax.GradientTransformation, loss_fn: LossFn) -> Reci
 
   def step(params, state, batch):
     opt_state, loss_scale = state
-    grads = _scaled_grads(loss_fn, params, batch, loss_scale.scale)
-    grads = loss_scale.unscale(grads)
-    grads_finite = jmp.all_finite(grads)
-    loss_scale = loss_scale.adjust(grads_finite)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    params, opt_state = jmp.select_tree(
-      grads_finite, (new_params, new_opt_state), (params, opt_state)
-    )
+    params, opt_state, loss_scale = _jmp_step(tx, loss_fn, params, opt_state, loss_scale, batch)
     return params, (opt_state, loss_scale)
 
   return Recipe(init, step, lowers_flat=True)
