@@ -127,6 +127,18 @@ def update_nonfinite_leaves(
   return jax.tree.map(lambda old, new: jnp.where(should_apply, old, new), previous, current)
 
 
+def check_max_consecutive_skips(value: Any) -> int | None:
+  """Validates `max_consecutive_skips`: None, or an int32 >= 1 (the streak is an int32)."""
+  if value is None:
+    return None
+  return validation.check_int(
+    "max_consecutive_skips",
+    value,
+    low=1,
+    accepted=f"None (no limit) or an integer in [1, {validation.INT32_MAX}]",
+  )
+
+
 def check_options(
   loss_scale: loss_scale_lib.LossScale,
   max_consecutive_skips: Any,
@@ -134,14 +146,7 @@ def check_options(
   record_nonfinite_leaves: Any,
 ) -> dict[str, Any]:
   """Validates the wrapper's diagnostic arguments and returns them for `get_config`."""
-  if max_consecutive_skips is not None:
-    # The skip streak is an int32 counter, so the limit must fit one too.
-    max_consecutive_skips = validation.check_int(
-      "max_consecutive_skips",
-      max_consecutive_skips,
-      low=1,
-      accepted=f"None (no limit) or an integer in [1, {validation.INT32_MAX}]",
-    )
+  max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
   raise_at_min_loss_scale = validation.check_bool(
     "raise_at_min_loss_scale", raise_at_min_loss_scale
   )

@@ -265,13 +265,7 @@ def skip_bad_steps(
   )
   if on_spike_streak not in _ON_SPIKE_STREAK:
     raise ValueError(f"on_spike_streak must be one of {_ON_SPIKE_STREAK}; got {on_spike_streak!r}.")
-  if max_consecutive_skips is not None:
-    max_consecutive_skips = validation.check_int(
-      "max_consecutive_skips",
-      max_consecutive_skips,
-      low=1,
-      accepted=f"None (no limit) or an integer in [1, {validation.INT32_MAX}]",
-    )
+  max_consecutive_skips = overflow_guard.check_max_consecutive_skips(max_consecutive_skips)
   if skip_mode not in optimizer_lib._SKIP_MODES:
     raise ValueError(f"skip_mode must be one of {optimizer_lib._SKIP_MODES}; got {skip_mode!r}.")
   axis_name = tree_utils.normalize_axis_name(axis_name)
