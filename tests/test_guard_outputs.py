@@ -119,3 +119,14 @@ def test_skip_bad_steps_guard_leaves_the_state_values_unchanged():
     got = jax.jit(tx.update)(grads, tx.init(PARAMS), PARAMS)
     chex.assert_trees_all_equal_dtypes(want, got)
     chex.assert_trees_all_equal(want, got)  # NaN equals NaN: the NaN step's statistic
+
+
+def test_folding_the_guard_keeps_every_bit_of_a_scalar_including_negative_zero():
+  from optax_lossscale._src import overflow_guard
+
+  zero = jnp.zeros((), jnp.int32)
+  scalars = {"neg0": jnp.float32(-0.0), "nan": jnp.float32(jnp.nan), "i": jnp.int32(-3)}
+  folded = jax.jit(overflow_guard.fold_into_scalars)(zero, scalars)
+  for k, x in scalars.items():
+    assert folded[k].dtype == x.dtype
+    assert jnp.asarray(folded[k]).tobytes() == jnp.asarray(x).tobytes(), k

@@ -289,7 +289,8 @@ def _fold(zero: jax.Array, x: Any) -> Any:
     return x
   if x.dtype == jnp.bool_:
     return x & (zero == 0)
-  return x + zero.astype(x.dtype)
+  # Subtracting keeps -0.0 (-0.0 + 0.0 would be +0.0): the value stays bit for bit.
+  return x - zero.astype(x.dtype)
 
 
 def keep_alive(zero: jax.Array, state: Any) -> Any:
