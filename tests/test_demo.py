@@ -1,27 +1,16 @@
 """Runs `examples/demo.py` for a few steps and checks what it reports."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
 
-DEMO_PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+from tests.example_loader import load_example
+
 STEPS = 100
 
-
-def _load_demo():
-  spec = importlib.util.spec_from_file_location("optax_lossscale_demo", DEMO_PATH)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up here
-  spec.loader.exec_module(module)
-  return module
-
-
-demo = _load_demo()
+demo = load_example("demo.py", "optax_lossscale_demo")
 
 
 @pytest.fixture(scope="module")

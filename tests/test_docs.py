@@ -45,7 +45,6 @@ def test_readme_links_every_notebook():
     assert f"notebooks/{name}" in README, f"README does not link {name}"
 
 
-
 def test_readme_version_table_states_the_tested_versions():
   # The lowest column is pyproject.toml's lower bounds (what `make test-lowest`
   # installs), the newest the pins of constraints.txt (what `make test` installs).

@@ -1,28 +1,16 @@
 """Runs the core of `examples/skip_bad_steps_demo.py` and checks what it claims."""
 
-import importlib.util
 import math
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
+from tests.example_loader import load_example
+
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
-DEMO_PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "skip_bad_steps_demo.py"
-
-
-def _load_demo():
-  spec = importlib.util.spec_from_file_location("optax_lossscale_skip_demo", DEMO_PATH)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up here
-  spec.loader.exec_module(module)
-  return module
-
-
-demo = _load_demo()
+demo = load_example("skip_bad_steps_demo.py", "optax_lossscale_skip_demo")
 
 
 @pytest.fixture(scope="module")

@@ -127,6 +127,14 @@ def update_nonfinite_leaves(
   return jax.tree.map(lambda old, new: jnp.where(should_apply, old, new), previous, current)
 
 
+def too_many_skips_reason(consecutive_skips: Any, max_consecutive_skips: int | None) -> str:
+  """The guard message's reason when a streak of skips passed the limit."""
+  return (
+    f"{int(consecutive_skips)} consecutive steps were skipped, more than"
+    f" max_consecutive_skips={max_consecutive_skips}"
+  )
+
+
 def check_max_consecutive_skips(value: Any) -> int | None:
   """Validates `max_consecutive_skips`: None, or an int32 >= 1 (the streak is an int32)."""
   if value is None:
@@ -201,10 +209,7 @@ def _guard_message(
 ) -> str:
   reasons = []
   if bool(too_many):
-    reasons.append(
-      f"{int(consecutive_skips)} consecutive steps were skipped, more than"
-      f" max_consecutive_skips={max_consecutive_skips}"
-    )
+    reasons.append(too_many_skips_reason(consecutive_skips, max_consecutive_skips))
   if bool(at_min):
     reasons.append(
       f"the step overflowed at min_loss_scale={min_loss_scale:g}, so backing off cannot help"

@@ -32,10 +32,7 @@ def _guard_message(
 ) -> str:
   reasons = []
   if bool(too_many):
-    reasons.append(
-      f"{int(skips)} consecutive steps were skipped, more than"
-      f" max_consecutive_skips={config['max_consecutive_skips']}"
-    )
+    reasons.append(overflow_guard.too_many_skips_reason(skips, config["max_consecutive_skips"]))
   if bool(streak_over):
     reasons.append(
       f"{int(spike_streak) + 1} consecutive steps were spikes, more than"
