@@ -144,7 +144,7 @@ def test_unscale_is_bit_exact():
       np.testing.assert_array_equal(ls.unscale(grads), grads / np.float32(value))
 
 
-def test_scale_and_unscale_keep_dtypes_and_pass_other_leaves_through():
+def test_scale_promotes_narrow_floats_unscale_keeps_dtypes_other_leaves_pass_through():
   ls = ols.DynamicLossScale(2.0**10)
   float0 = np.zeros((2,), dtype=jax.dtypes.float0)
   tree = {
@@ -157,9 +157,16 @@ def test_scale_and_unscale_keep_dtypes_and_pass_other_leaves_through():
     "float0": float0,
     "none": None,
   }
-  for out, factor in ((ls.scale(tree), 1024.0), (ls.unscale(tree), 1 / 1024.0)):
+  # A loss narrower than float32 is scaled in float32, as jmp and Keras 3 do.
+  f32, c64 = jnp.float32, jnp.complex64
+  scaled_dtypes = {"f32": f32, "f16": f32, "bf16": f32, "c64": c64}
+  unscaled_dtypes = {name: tree[name].dtype for name in scaled_dtypes}
+  for out, factor, dtypes in (
+    (ls.scale(tree), 1024.0, scaled_dtypes),
+    (ls.unscale(tree), 1 / 1024.0, unscaled_dtypes),
+  ):
     for name in ("f32", "f16", "bf16", "c64"):
-      assert out[name].dtype == tree[name].dtype
+      assert out[name].dtype == dtypes[name]
       np.testing.assert_array_equal(
         np.asarray(out[name], np.complex128), np.full(tree[name].shape, factor)
       )
@@ -173,11 +180,16 @@ def test_float16_scaling_does_not_overflow_the_scale_itself():
   # 2**16 is inf in float16; the product 0.0625 * 2**16 = 4096 is not.
   ls = ols.FixedLossScale(2.0**16)
   out = ls.scale(jnp.float16(0.0625))
-  assert out.dtype == jnp.float16
+  assert out.dtype == jnp.float32
   assert float(out) == 4096.0
-  # For scales float16 can hold, results equal native float16 arithmetic.
+  # A float16 loss of 16 at the default scale is not inf: it is scaled in float32.
+  assert float(ols.DynamicLossScale().scale(jnp.float16(16.0))) == 16.0 * 2**15
+  # The scaled loss is the float32 product exactly; unscaling float16 gradients
+  # equals native float16 arithmetic for scales float16 can hold.
   x = jnp.asarray(np.random.default_rng(1).standard_normal(256), jnp.float16)
-  np.testing.assert_array_equal(ols.FixedLossScale(2.0**8).scale(x), x * jnp.float16(256))
+  np.testing.assert_array_equal(
+    ols.FixedLossScale(2.0**8).scale(x), np.asarray(x, np.float32) * np.float32(256)
+  )
   np.testing.assert_array_equal(ols.FixedLossScale(2.0**8).unscale(x), x / jnp.float16(256))
 
 
@@ -396,7 +408,7 @@ def test_all_knobs_match_the_documented_algorithm(
     (dict(backoff_factor=0.0), "backoff_factor"),
     (dict(backoff_factor=1.5), "backoff_factor"),
     (dict(hysteresis=0), "hysteresis"),
-    (dict(hysteresis=1.0), "hysteresis"),
+    (dict(hysteresis=1.5), "hysteresis"),
     (dict(min_loss_scale=0.0), "min_loss_scale"),
     (dict(max_loss_scale=math.inf), "max_loss_scale"),
     (dict(min_loss_scale=8.0, max_loss_scale=4.0, initial_loss_scale=4.0), "min_loss_scale"),

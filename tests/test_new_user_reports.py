@@ -4,6 +4,7 @@ import json
 import warnings
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -39,9 +40,16 @@ class NonfiniteLeafPathsTest(chex.TestCase):
 
 
 class CompositionTest(chex.TestCase):
-  def test_a_transformation_before_the_wrapper_is_reported(self):
+  def test_a_clipping_before_the_wrapper_is_refused_when_it_runs(self):
     tx = optax.chain(optax.clip_by_global_norm(1.0), ols.loss_scale_optimizer(optax.sgd(1.0)))
     state = tx.init(jnp.ones(2))
+    for update in (tx.update, jax.jit(tx.update)):
+      with pytest.raises(ValueError, match=r"after optax.clip_by_global_norm.*\*scaled\*"):
+        update(jnp.ones(2), state, jnp.ones(2))
+
+  def test_a_stateful_transformation_before_the_wrapper_is_reported_from_the_state(self):
+    adam, ls = optax.adam(1e-3), ols.loss_scale_optimizer(optax.sgd(1.0))
+    state = (adam.init(jnp.ones(2)), ls.init(jnp.ones(2)))  # as chain(adam, ls) builds it
     with pytest.raises(ValueError, match=r"not first in its chain.*scaled"):
       ols.check_composition(state)
     with pytest.warns(UserWarning, match="not first in its chain"):
@@ -49,17 +57,18 @@ class CompositionTest(chex.TestCase):
     with pytest.warns(UserWarning, match="not first in its chain"):
       ols.value_and_grad(lambda p: jnp.sum(p))(state, jnp.ones(2))
 
-  def test_named_chain_and_apply_if_finite_and_multisteps_are_reported(self):
+  def test_named_chain_and_apply_if_finite_and_multisteps_are_refused(self):
     cases = {
-      "not first in its chain": optax.named_chain(
-        ("clip", optax.clip(1.0)), ("ls", ols.loss_scale_optimizer(optax.sgd(1.0)))
+      "after optax.clip": optax.named_chain(
+        ("clip", optax.clip_by_block_rms(1.0)), ("ls", ols.loss_scale_optimizer(optax.sgd(1.0)))
       ),
       "apply_if_finite": optax.apply_if_finite(ols.loss_scale_optimizer(optax.adam(1e-3)), 3),
       "MultiSteps": optax.MultiSteps(ols.loss_scale_optimizer(optax.sgd(1.0)), 2),
     }
     for match, tx in cases.items():
       with pytest.raises(ValueError, match=match):
-        ols.check_composition(tx.init(jnp.ones(2)))
+        state = tx.init(jnp.ones(2))
+        tx.update(jnp.ones(2), state, jnp.ones(2))
 
   def test_the_right_compositions_pass_without_warning(self):
     inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))

@@ -366,7 +366,7 @@ class CompositionTest(chex.TestCase):
     with pytest.raises(ValueError, match="inside the loss-scale wrapper"):
       ols.skip_bad_steps(ols.loss_scale_optimizer(optax.sgd(0.1)))
     chained = ols.skip_bad_steps(optax.chain(ols.loss_scale_optimizer(optax.sgd(0.1))))
-    with pytest.raises(ValueError, match="inside the loss-scale wrapper"):
+    with pytest.raises(ValueError, match="must go inside the loss-scale wrapper"):
       chained.init(make_params())
 
   def test_metrics_without_either_state_is_a_clear_error(self):

@@ -14,7 +14,7 @@ from typing import Any
 
 import optax
 
-from optax_lossscale._src import optimizer as optimizer_lib
+from optax_lossscale._src import conditional_step
 
 
 def apply_gradients(
@@ -69,7 +69,7 @@ def apply_gradients(
     )
   if params is None:
     raise ValueError("params must be given: apply_gradients returns the updated params.")
-  fused = optimizer_lib.fused_apply_gradients(optimizer)
+  fused = conditional_step.fused_apply_gradients(optimizer)
   if fused is not None:
     return fused(grads, opt_state, params, **extra_args)
   updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_lossscale._src import conditional_step, state_access
 from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src import optimizer, state_access
 
 # Flax's fp8 marker (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT): those
 # "gradients" overwrite fp8 metadata and would be written even on skipped steps.
@@ -94,7 +94,7 @@ class TrainState(train_state.TrainState):
         " optax_lossscale.flax.TrainState does not support (they would be"
         " written even on skipped steps)."
       )
-    fused = optimizer.fused_apply_gradients(self.tx)
+    fused = conditional_step.fused_apply_gradients(self.tx)
     if fused is not None:
       # The wrapper is the whole tx: update and apply inside its one branch.
       params, opt_state = fused(grads, self.opt_state, self.params)

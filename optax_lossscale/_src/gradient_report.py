@@ -146,6 +146,16 @@ def _target_dtype(dtype: Any) -> np.dtype:
   return resolved
 
 
+def narrowest_float_dtype(tree: Any) -> str:
+  """The report target for `tree`: its narrowest real float dtype among those reported on.
+
+  float16 or bfloat16 when a leaf has it (float16 first: the narrower range),
+  else float32.
+  """
+  names = {np.dtype(x.dtype).name for x in jax.tree.leaves(tree) if tree_utils.is_inexact(x)}
+  return next((n for n in ("float16", "bfloat16") if n in names), "float32")
+
+
 def _magnitude_bits(x: jax.Array) -> jax.Array:
   """|x| as an unsigned integer: ordered like |x| for every non-NaN value."""
   bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))

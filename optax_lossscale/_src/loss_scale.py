@@ -28,16 +28,18 @@ from optax_lossscale._src import tree_utils, validation
 _Self = TypeVar("_Self", bound="LossScale")
 
 
-def _scale_leaf(x: jax.Array, factor: jax.Array) -> jax.Array:
-  """Multiplies `x` by the float32 `factor`, returning `x`'s dtype.
+def _scale_leaf(x: jax.Array, factor: jax.Array, keep_dtype: bool = True) -> jax.Array:
+  """Multiplies `x` by the float32 `factor` in at least float32.
 
-  The arithmetic runs in at least float32 so that a float16 leaf is never
-  multiplied by a scale that float16 cannot represent (2**16 is inf there);
-  for scales float16 can hold the result is bit-identical to float16 math.
+  A float16 leaf is never multiplied by a scale that float16 cannot represent
+  (2**16 is inf there). The result has `x`'s dtype (for scales float16 can
+  hold, bit-identical to float16 math), or with `keep_dtype=False` the
+  promoted one.
   """
   x = jnp.asarray(x)
   compute_dtype = jnp.promote_types(x.dtype, jnp.float32)
-  return (x.astype(compute_dtype) * factor.astype(compute_dtype)).astype(x.dtype)
+  product = x.astype(compute_dtype) * factor.astype(compute_dtype)
+  return product.astype(x.dtype) if keep_dtype else product
 
 
 class _LossScaleType(abc.ABCMeta):
@@ -86,7 +88,9 @@ class LossScale(types.SimpleNamespace, metaclass=_LossScaleType):
     >>> ls = DynamicLossScale(2**10)
     >>> isinstance(ls, LossScale), ls.dynamic
     (True, True)
-    >>> ls.unscale(ls.scale({'w': jnp.float16(0.5)}))
+    >>> ls.scale({'w': jnp.float16(0.5)})
+    {'w': Array(512., dtype=float32)}
+    >>> ls.unscale({'w': jnp.float16(512.0)})
     {'w': Array(0.5, dtype=float16)}
     >>> [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(ls)]
     ['.loss_scale', '.counter', '.hysteresis_tracker']
@@ -164,13 +168,15 @@ class LossScale(types.SimpleNamespace, metaclass=_LossScaleType):
     return self.loss_scale
 
   def scale(self, tree: Any) -> Any:
-    """Multiplies every floating leaf of `tree` (or a loss) by the loss scale.
+    """Multiplies every floating leaf of `tree` (a loss) by the loss scale.
 
-    Each leaf keeps its dtype; `None`, integer, bool and `float0` leaves pass
-    through untouched.
+    As in jmp and Keras 3, a leaf narrower than float32 (float16, bfloat16,
+    the 8-bit floats) is promoted to float32 first, so that a float16 loss
+    times a large scale is not `inf`; wider leaves keep their dtype. `None`,
+    integer, bool and `float0` leaves pass through untouched.
     """
     factor = jnp.asarray(self.loss_scale, jnp.float32)
-    return tree_utils.map_inexact(lambda x: _scale_leaf(x, factor), tree)
+    return tree_utils.map_inexact(lambda x: _scale_leaf(x, factor, keep_dtype=False), tree)
 
   def unscale(self, tree: Any) -> Any:
     """Divides every floating leaf of `tree` by the loss scale.
@@ -263,6 +269,11 @@ class NoOpLossScale(LossScale):
   def loss_scale(self) -> jax.Array:
     return jnp.ones((), jnp.float32)
 
+  @property
+  def counter(self) -> None:
+    """None: a static scale counts no steps (Keras's `dynamic_counter`)."""
+    return None
+
   def scale(self, tree: Any) -> Any:
     return tree
 
@@ -314,6 +325,11 @@ class FixedLossScale(LossScale):
   @property
   def loss_scale(self) -> jax.Array:
     return jnp.asarray(self.loss_scale_value, jnp.float32)
+
+  @property
+  def counter(self) -> None:
+    """None: a fixed scale counts no steps (Keras's `dynamic_counter` is None too)."""
+    return None
 
   def _reciprocal(self) -> jax.Array:
     # NumPy's division is correctly rounded; a device's may not be (GPUs).

@@ -9,57 +9,25 @@ so schedules, Adam moments and step counts do not advance.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+import functools
+from typing import Any, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optax_lossscale._src import (
+  composition,
+  conditional_step,
   dynamic_loss_scale,
+  keras_compat,
   overflow_guard,
   serialization,
-  skip_branch,
   tree_utils,
-  validation,
 )
 from optax_lossscale._src import loss_scale as loss_scale_lib
-
-SkipMode = Literal["auto", "cond", "select"]
-_SETTINGS_ATTR = "loss_scale_optimizer_settings"
-_SKIP_MODES = ("auto", "cond", "select")
-# What skip_mode='auto' becomes, by the platform `jax.default_backend()` names
-# (BENCHMARKS.md, "skip_mode='auto'"). On a GPU, XLA turns the update path's
-# `cond` into selects anyway, and a conditional that survives (the fused
-# `apply_gradients`) sends its predicate to the host on every step, which
-# stalls asynchronous dispatch; on the H100 `select` was never slower beyond
-# noise. On CPU `cond` is measured cheaper (no work or copies on a skip). TPUs
-# run conditionals on the device; unmeasured, they keep the design default.
-_AUTO_SELECT_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
-
-
-def resolve_skip_mode(skip_mode: SkipMode, platform: str | None = None) -> str:
-  """`skip_mode` with 'auto' replaced by the choice for `platform`.
-
-  Args:
-    skip_mode: 'auto', 'cond' or 'select'.
-    platform: a JAX platform name; by default `jax.default_backend()`, read
-      only for 'auto' (so building an optimizer never initialises a backend:
-      the wrapper resolves 'auto' when its update is traced).
-
-  Returns:
-    'cond' or 'select'.
-
-  Example:
-    >>> from optax_lossscale._src.optimizer import resolve_skip_mode
-    >>> [resolve_skip_mode('auto', p) for p in ('cpu', 'gpu', 'tpu')]
-    ['cond', 'select', 'cond']
-  """
-  if skip_mode != "auto":
-    return skip_mode
-  platform = jax.default_backend() if platform is None else platform
-  return "select" if platform in _AUTO_SELECT_PLATFORMS else "cond"
+from optax_lossscale._src.conditional_step import SkipMode
 
 
 class LossScaleOptimizerState(NamedTuple):
@@ -122,7 +90,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
   @property
   def _settings(self) -> dict[str, Any]:
-    settings = getattr(self.update, _SETTINGS_ATTR, None)
+    settings = getattr(self.update, conditional_step.SETTINGS_ATTR, None)
     if settings is None:
       raise AttributeError(
         "This LossScaleOptimizer's update function was replaced; its settings are gone."
@@ -162,7 +130,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     'auto' is resolved here (see `loss_scale_optimizer`); `get_config` keeps
     the mode as requested, so a config saved on one backend stays 'auto'.
     """
-    return resolve_skip_mode(self._settings["skip_mode"])
+    return conditional_step.resolve_skip_mode(self._settings["skip_mode"])
 
   @property
   def axis_name(self) -> Any:
@@ -189,17 +157,21 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   def from_config(
     cls, config: dict[str, Any], inner: optax.GradientTransformation
   ) -> LossScaleOptimizer:
-    """Rebuilds the wrapper that `get_config()` describes, around `inner`.
+    """Rebuilds the wrapper that a config describes, around `inner`.
 
-    The inner transformation is not part of the config (optax transformations
-    are closures, not serializable), so it is passed again.
+    Accepts the dict of our `get_config()` (or its JSON round trip) and those
+    of Keras 2's and Keras 3's `LossScaleOptimizer.get_config()`. The inner
+    transformation is not part of the config (optax transformations are
+    closures, not serializable), so it is passed again; Keras's serialized
+    `inner_optimizer` (and Keras 3's `name`) are ignored.
 
     Args:
-      config: a dict returned by `get_config()` (or its JSON round trip).
+      config: a dict returned by `get_config()`, or by Keras's.
       inner: the transformation to wrap, e.g. `optax.adam(1e-3)`.
 
     Returns:
-      A `LossScaleOptimizer` whose `get_config()` equals `config`.
+      A `LossScaleOptimizer` whose `get_config()` equals `config` (ours),
+      starting from the config's initial scale.
 
     Example:
       >>> import optax
@@ -208,84 +180,12 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       >>> again = ols.LossScaleOptimizer.from_config(tx.get_config(), optax.adam(1e-3))
       >>> again.get_config() == tx.get_config()
       True
+      >>> keras3 = {'name': 'loss_scale_optimizer', 'inner_optimizer': {},
+      ...           'initial_scale': 1024.0, 'dynamic_growth_steps': 100}
+      >>> ols.LossScaleOptimizer.from_config(keras3, optax.adam(1e-3)).initial_scale
+      1024.0
     """
-    if not isinstance(config, dict) or "loss_scale" not in config:
-      raise ValueError(
-        "config must be a dict returned by LossScaleOptimizer.get_config(); got"
-        f" {type(config).__name__}{'' if not isinstance(config, dict) else ' without loss_scale'}."
-      )
-    # The keyword form only restates the serialized loss scale.
-    derived = ("dynamic", "initial_scale", "dynamic_growth_steps")
-    return loss_scale_optimizer(inner, **{k: v for k, v in config.items() if k not in derived})
-
-
-def _resolve_loss_scale(
-  loss_scale: Any,
-  dynamic: bool | None,
-  initial_scale: float | None,
-  dynamic_growth_steps: int | None,
-) -> loss_scale_lib.LossScale:
-  """Turns either of Keras's argument forms into a `LossScale`."""
-  keyword_form = (dynamic, initial_scale, dynamic_growth_steps) != (None, None, None)
-  if not keyword_form:
-    return serialization.get(loss_scale)
-  if not (isinstance(loss_scale, str) and loss_scale == "dynamic"):
-    # `loss_scale_optimizer(inner, **tx.get_config())` passes both forms; accept
-    # them when they describe the same scale.
-    resolved = serialization.get(loss_scale)
-    if _keywords_agree(resolved, dynamic, initial_scale, dynamic_growth_steps):
-      return resolved
-    raise ValueError(
-      "Pass either loss_scale= or the keyword form (dynamic=, initial_scale=,"
-      f" dynamic_growth_steps=), not both; got loss_scale={loss_scale!r} with"
-      f" dynamic={dynamic!r}, initial_scale={initial_scale!r},"
-      f" dynamic_growth_steps={dynamic_growth_steps!r}, which describe another scale."
-      " To rebuild a wrapper from get_config(), use"
-      " LossScaleOptimizer.from_config(config, inner)."
-    )
-  if dynamic is None:
-    dynamic = True
-  validation.check_bool("dynamic", dynamic)
-  # Keras's keyword names in the errors, not the loss scales' own.
-  renames = {
-    "initial_loss_scale": "initial_scale",
-    "loss_scale_value": "initial_scale",
-    "increment_period": "dynamic_growth_steps",
-  }
-  try:
-    if dynamic:
-      given = {"initial_loss_scale": initial_scale, "increment_period": dynamic_growth_steps}
-      return dynamic_loss_scale.DynamicLossScale(
-        **{k: v for k, v in given.items() if v is not None}
-      )
-    if initial_scale is None:
-      raise ValueError('"initial_scale" must be specified if "dynamic" is False.')
-    if dynamic_growth_steps is not None:
-      raise ValueError(
-        f'"dynamic_growth_steps" must be None if "dynamic" is False; got {dynamic_growth_steps!r}.'
-      )
-    return loss_scale_lib.FixedLossScale(initial_scale)
-  except ValueError as e:
-    message = str(e)
-    for internal, keyword in renames.items():
-      if message.startswith(internal):
-        raise ValueError(keyword + message[len(internal) :]) from None
-    raise
-
-
-def _keywords_agree(
-  ls: loss_scale_lib.LossScale,
-  dynamic: bool | None,
-  initial_scale: float | None,
-  dynamic_growth_steps: int | None,
-) -> bool:
-  """Whether Keras's keyword form, where given, describes the `LossScale` `ls`."""
-  growth = ls.increment_period if isinstance(ls, dynamic_loss_scale.DynamicLossScale) else None
-  return (
-    (dynamic is None or dynamic == ls.dynamic)
-    and (initial_scale is None or float(initial_scale) == float(ls()))
-    and (dynamic_growth_steps is None or dynamic_growth_steps == growth)
-  )
+    return loss_scale_optimizer(inner, **keras_compat.config_to_kwargs(config))
 
 
 def _scaling_keeps_finiteness(ls: loss_scale_lib.LossScale) -> bool:
@@ -306,14 +206,39 @@ def _scaling_keeps_finiteness(ls: loss_scale_lib.LossScale) -> bool:
   return same_rules and ls.min_loss_scale >= 1
 
 
+def _restarted(ls: loss_scale_lib.LossScale) -> loss_scale_lib.LossScale:
+  """`ls` in its initial state, as its config describes it (TensorFlow's choice).
+
+  The wrapper is rebuilt from `get_config()`, which holds the initial scale,
+  so it must start there: a loss scale that has already stepped would
+  otherwise start the wrapper elsewhere than its config's copy. Its current
+  state is not silently dropped: a warning says what was discarded.
+  """
+  fresh = ls.from_config(ls.get_config())
+  try:
+    same = fresh == ls
+  except (TypeError, jax.errors.ConcretizationTypeError):  # traced state: nothing to compare
+    return fresh
+  if not same:
+    warnings.warn(
+      f"loss_scale_optimizer starts from the initial state of the given {type(ls).__name__}"
+      f" (scale {float(fresh()):g}), not from its current state (scale {float(ls()):g}),"
+      " as TensorFlow's LossScaleOptimizer does and as get_config() describes. To start"
+      " from the current scale, build a new loss scale with that initial value; to resume a"
+      " run, restore its optimizer state from a checkpoint.",
+      UserWarning,
+      stacklevel=4,
+    )
+  return fresh
+
+
 def _check_float_grads(grads: optax.Updates) -> None:
   """Raises at trace time if a gradient leaf is an integer or bool array.
 
   An integer leaf cannot be a gradient of the scaled loss that unscaling
   turns into the true one: `g / S` is not an integer, and passing it through
   would hand the inner optimizer a value `S` times too large (a silent
-  `[-4, -8]` for `[-1, -2]` at scale 4). `jax.grad(..., allow_int=True)` gives
-  integer parameters `float0` gradients, which pass; so do `None` leaves.
+  `[-4, -8]` for `[-1, -2]` at scale 4).
   """
   for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
     dtype = getattr(g, "dtype", None)
@@ -324,9 +249,24 @@ def _check_float_grads(grads: optax.Updates) -> None:
         f"loss_scale_optimizer got an integer gradient leaf at"
         f" {jax.tree_util.keystr(path) or '<root>'} (dtype {dtype}); it cannot be"
         " unscaled and would reach the inner optimizer multiplied by the loss scale."
-        " Give that leaf a float gradient, a float0 one (jax.grad(...,"
-        " allow_int=True)) or None, or keep it out of the optimized params."
+        " Keep integer and bool arrays out of the tree you optimize (pass only the"
+        " float parameters to init, update and jax.grad), or give that leaf a float"
+        " gradient."
       )
+
+
+def _check_state(state: Any) -> None:
+  if not isinstance(state, LossScaleOptimizerState):
+    hint = ""
+    if isinstance(state, (tuple, list)) or hasattr(state, "_fields"):
+      hint = (
+        " It looks like the inner optimizer's state: pass the state of this wrapper,"
+        " opt_state = tx.init(params) with tx the loss_scale_optimizer."
+      )
+    raise TypeError(
+      "loss_scale_optimizer's update expects the LossScaleOptimizerState that its init"
+      f" returned; got {type(state).__name__}.{hint}"
+    )
 
 
 def loss_scale_optimizer(
@@ -341,6 +281,7 @@ def loss_scale_optimizer(
   record_nonfinite_leaves: bool = False,
   max_consecutive_skips: int | None = None,
   raise_at_min_loss_scale: bool = False,
+  **keras_options: Any,
 ) -> LossScaleOptimizer:
   """Wraps an optax transformation with loss scaling and overflow skipping.
 
@@ -361,22 +302,33 @@ def loss_scale_optimizer(
   gradients as they are, which gives the same answer: dividing by a scale of
   at least 1 cannot change which values are finite.
 
-  Every gradient leaf must be floating or `None` (`float0` leaves pass this
-  check, if the inner optimizer takes them): an integer or bool leaf raises a
-  `TypeError` naming its path when the step is traced. It cannot be unscaled
-  (`g / S` is no integer), and passing it through would feed the inner
-  optimizer a value `S` times too large without a word.
+  Every gradient leaf must be floating or `None`: an integer or bool leaf
+  raises a `TypeError` naming its path when the step is traced. It cannot be
+  unscaled (`g / S` is no integer), and passing it through would feed the
+  inner optimizer a value `S` times too large without a word. Keep integer
+  arrays out of the tree you optimize. A NaN/Inf in *any* floating leaf skips
+  the step, also in a leaf the inner optimizer ignores (a frozen leaf under
+  `optax.set_to_zero` in a `multi_transform`): leave such leaves out of the
+  gradients rather than relying on the inner optimizer to drop them.
 
   To step, `apply_gradients(tx, grads, state, params)` is cheaper than
   `update` followed by `optax.apply_updates`: it applies the updates inside
   the skip branch, so they are never written to memory.
 
+  The wrapper goes outermost. Compositions that would run and be wrong are
+  refused with a `ValueError` naming the fix: a wrapper inside another (also
+  through a chain), two in one optimizer, one after another transformation
+  in a chain (only `optax.identity()` may come first: the others would see
+  the scaled gradients), and a dynamic one inside `optax.apply_if_finite`,
+  `optax.MultiSteps`, `optax.masked` or `optax.multi_transform`; the
+  construction, `init` or the first `update` raises, whichever first can
+  see it.
+
   For gradient accumulation wrap `optax.MultiSteps` (pass
   `optax.MultiSteps(inner, k).gradient_transformation()` as `inner`): each
   micro-batch is then checked, an overflowing one is skipped and not
-  accumulated, and the scale backs off at once. The other order,
-  `optax.MultiSteps(loss_scale_optimizer(...), k)`, cannot recover from an
-  overflow: MultiSteps clears its accumulator by multiplying it by zero, and
+  accumulated, and the scale backs off at once. The other order is refused:
+  MultiSteps clears its accumulator by multiplying it by zero, and
   `inf * 0` is NaN, so every later update would be skipped.
 
   Args:
@@ -392,7 +344,12 @@ def loss_scale_optimizer(
       no optimizer work and copies no state; `'select'` always runs `inner`
       and selects the result; `'auto'` picks per backend from measurements
       when the update is traced: `'select'` on GPUs, `'cond'` on CPU and TPU
-      (BENCHMARKS.md). Every mode gives the same results bit for bit.
+      (BENCHMARKS.md). The skip decision, the loss scale and a skipped step's
+      outputs are the same bits in every mode. An applied step computes the
+      same arithmetic; compiled as a step of its own, the modes give the
+      same bits, but inside a larger program (steps in a `lax.scan`) XLA may
+      fuse that arithmetic differently per mode and round the last bit
+      differently, as it does for the unwrapped optimizer between programs.
     axis_name: inside `shard_map`/`pmap`, the axis name or tuple of names
       across which shards must agree to skip; not needed under plain `jit`.
     record_nonfinite_leaves: keep in the state one bool per parameter leaf
@@ -402,9 +359,9 @@ def loss_scale_optimizer(
       the streak of consecutive skips longer than this raises
       `OverflowGuardError` from the step, with a report naming the leaves
       that overflowed. Off by default; when off nothing is added to the step.
-      The guard fires whatever the caller keeps of the new state (any of its
-      scalars, or the next step through a `scan`); a caller keeping none of
-      it keeps nothing the guard can reach.
+      The guard fires whatever the caller keeps of the step: its zero is
+      folded into every scalar of the new state and into the smallest leaf
+      of the updates (or, through `apply_gradients`, of the new params).
     raise_at_min_loss_scale: raise `OverflowGuardError` when a step overflows
       although the scale is already at the loss scale's `min_loss_scale`.
       The error is raised from a host callback, so jax delivers it as a
@@ -413,6 +370,17 @@ def loss_scale_optimizer(
       callback (never run unless it fires), which makes CPU execution of the
       step synchronous; see the README. With a fixed scale no step is
       skipped, so the guards never fire and the flags stay False.
+    **keras_options: Keras 3's base-optimizer options (`weight_decay`,
+      `clipnorm`, `global_clipnorm`, `clipvalue`, `use_ema`, `ema_momentum`,
+      `ema_overwrite_frequency`, `loss_scale_factor`,
+      `gradient_accumulation_steps`) are accepted at their defaults only, as
+      Keras 3 does; another value raises a `ValueError` naming the optax
+      transformation to put inside the wrapper instead.
+
+  A `LossScale` instance that has already stepped is used from its initial
+  state (with a warning), as TensorFlow does and as `get_config()` records
+  it, so that `LossScaleOptimizer.from_config(tx.get_config(), inner)` starts
+  where `tx` starts.
 
   Returns:
     A `LossScaleOptimizer`, an `optax.GradientTransformationExtraArgs`.
@@ -441,10 +409,19 @@ def loss_scale_optimizer(
       "inner must be an optax.GradientTransformation (e.g. optax.adam(1e-3));"
       f" got {type(inner).__name__}.{hint}"
     )
-  if skip_mode not in _SKIP_MODES:
-    raise ValueError(f"skip_mode must be one of {_SKIP_MODES}; got {skip_mode!r}.")
+  keras_compat.check_keras_options(keras_options)
+  inner_settings = conditional_step.settings_of(inner)
+  if inner_settings is not None and inner_settings["kind"] == composition.LOSS_SCALE:
+    raise ValueError(
+      "loss_scale_optimizer cannot wrap another loss_scale_optimizer: the gradients"
+      " would be unscaled twice. Wrap the inner optimizer once:"
+      " loss_scale_optimizer(inner_optimizer)."
+    )
+  skip_mode = conditional_step.check_skip_mode(skip_mode)
   axis_name = tree_utils.normalize_axis_name(axis_name)
-  initial_ls = _resolve_loss_scale(loss_scale, dynamic, initial_scale, dynamic_growth_steps)
+  initial_ls = _restarted(
+    keras_compat.resolve_loss_scale(loss_scale, dynamic, initial_scale, dynamic_growth_steps)
+  )
   diagnostics = overflow_guard.check_options(
     initial_ls, max_consecutive_skips, raise_at_min_loss_scale, record_nonfinite_leaves
   )
@@ -452,6 +429,7 @@ def loss_scale_optimizer(
   user_inner, inner = inner, optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> LossScaleOptimizerState:
+    composition.check_init(composition.LOSS_SCALE, init_fn, initial_ls.dynamic)
     return LossScaleOptimizerState(
       inner_state=inner.init(params),
       # Fresh buffers: a donated state must not delete the prototype's arrays.
@@ -464,6 +442,8 @@ def loss_scale_optimizer(
       ),
     )
 
+  composition.register_init(init_fn, composition.LOSS_SCALE)
+
   def step(
     grads: optax.Updates,
     state: LossScaleOptimizerState,
@@ -472,30 +452,26 @@ def loss_scale_optimizer(
     apply_to_params: bool,
   ) -> tuple[Any, LossScaleOptimizerState]:
     """One update; returns the updates, or with `apply_to_params` the new params."""
+    _check_state(state)
+    composition.check_update(composition.LOSS_SCALE, update_fn)
     _check_float_grads(grads)
     ls = state.loss_scale
-
-    def apply_inner(
-      scaled_grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
-    ) -> tuple[Any, optax.OptState]:
+    conditional = functools.partial(
+      conditional_step.apply_inner_if,
+      inner=inner,
+      grads=grads,
+      inner_state=state.inner_state,
+      params=params,
+      extra_args=extra_args,
+      skip_mode=skip_mode,
+      apply_to_params=apply_to_params,
       # Unscaling beside its consumers lets XLA fuse it into the inner update:
       # the unscaled gradients are never written to memory.
-      inner_fused = fused_apply_gradients(inner) if apply_to_params else None
-      if inner_fused is not None:  # e.g. skip_bad_steps: its skips leave params untouched too
-        return inner_fused(ls.unscale(scaled_grads), inner_state, params, **extra_args)
-      updates, inner_state = inner.update(
-        ls.unscale(scaled_grads), inner_state, params, **extra_args
-      )
-      if apply_to_params:
-        # Inside the branch the updates fuse into the parameter update and are
-        # never written to memory either.
-        return optax.apply_updates(params, updates), inner_state
-      return updates, inner_state
-
-    operands = (grads, state.inner_state, params)
+      prepare=ls.unscale,
+    )
     if not ls.dynamic:
       # A fixed scale never skips (TensorFlow semantics): no check, no branch.
-      out, inner_state = apply_inner(*operands)
+      out, inner_state = conditional(None)
       return out, state._replace(inner_state=inner_state)
 
     # Read only by reductions (the check, the recorded flags). Where the scale
@@ -503,27 +479,7 @@ def loss_scale_optimizer(
     # as they are: one pass that writes nothing (BENCHMARKS.md, finding 3).
     checked = grads if _scaling_keeps_finiteness(ls) else ls.unscale(grads)
     new_ls, should_apply = ls.update(checked, axis_name=axis_name)
-
-    if resolve_skip_mode(skip_mode) == "cond":
-
-      def skip_inner(
-        grads: optax.Updates, inner_state: optax.OptState, params: optax.Params | None
-      ) -> tuple[Any, optax.OptState]:
-        shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
-        return skip_branch.skip_outputs(shapes, inner_state, params if apply_to_params else None)
-
-      # The pass-through is the false branch: XLA then aliases the state
-      # buffers instead of copying them.
-      out, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
-    else:
-      new_out, new_inner_state = apply_inner(*operands)
-      # The applied outputs' types, read off them rather than by tracing the
-      # inner update a second time.
-      shapes = jax.eval_shape(lambda tree: tree, (new_out, new_inner_state))
-      old_params = params if apply_to_params else None
-      old_out, old_inner_state = skip_branch.skip_outputs(shapes, state.inner_state, old_params)
-      out = tree_utils.select_tree(should_apply, new_out, old_out)
-      inner_state = tree_utils.select_tree(should_apply, new_inner_state, old_inner_state)
+    out, inner_state = conditional(should_apply)
 
     skipped = jnp.logical_not(should_apply)
     consecutive_skips = jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32)
@@ -541,50 +497,19 @@ def loss_scale_optimizer(
       nonfinite_leaves=nonfinite_leaves,
     )
     if guard is not None:
-      new_state = overflow_guard.keep_alive(
-        guard(ls, should_apply, consecutive_skips, grads), new_state
-      )
+      zero = guard(ls, should_apply, consecutive_skips, grads)
+      out, new_state = overflow_guard.keep_alive(zero, out, new_state)
     return out, new_state
 
-  def update_fn(
-    grads: optax.Updates,
-    state: LossScaleOptimizerState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, LossScaleOptimizerState]:
-    return step(grads, state, params, extra_args, apply_to_params=False)
-
-  def apply_gradients_fn(
-    grads: optax.Updates,
-    state: LossScaleOptimizerState,
-    params: optax.Params,
-    **extra_args: Any,
-  ) -> tuple[optax.Params, LossScaleOptimizerState]:
-    return step(grads, state, params, extra_args, apply_to_params=True)
-
-  setattr(
-    update_fn,
-    _SETTINGS_ATTR,
+  update_fn = conditional_step.attach(
+    step,
     {
+      "kind": composition.LOSS_SCALE,
       "inner": user_inner,
       "loss_scale": initial_ls,
       "skip_mode": skip_mode,
       "axis_name": axis_name,
       "diagnostics": diagnostics,
-      "update": update_fn,
-      "apply_gradients": apply_gradients_fn,
     },
   )
   return LossScaleOptimizer(init_fn, update_fn)
-
-
-def fused_apply_gradients(optimizer: optax.GradientTransformation) -> Callable[..., Any] | None:
-  """`(grads, state, params, **extra) -> (params, state)` of a wrapper, else None.
-
-  None also when `update` was wrapped (`functools.wraps` copies the settings
-  attribute): the fused step would bypass the wrapping.
-  """
-  settings = getattr(optimizer.update, _SETTINGS_ATTR, None)
-  if settings is None or settings["update"] is not optimizer.update:
-    return None
-  return settings["apply_gradients"]

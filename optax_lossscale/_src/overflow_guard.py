@@ -290,7 +290,7 @@ def make_guard(
 
 def _fold(zero: jax.Array, x: Any) -> Any:
   """`x` with the guard's zero folded in: the same value, now depending on the guard."""
-  if not isinstance(x, jax.Array) or jnp.ndim(x) != 0:
+  if not isinstance(x, jax.Array) or x.dtype == jax.dtypes.float0:
     return x
   if x.dtype == jnp.bool_:
     return x & (zero == 0)
@@ -298,23 +298,20 @@ def _fold(zero: jax.Array, x: Any) -> Any:
   return x - zero.astype(x.dtype)
 
 
-def keep_alive(zero: jax.Array, state: Any) -> Any:
-  """Folds the guard's zero into every scalar of the new wrapper state.
+def keep_alive(zero: jax.Array, out: Any, state: Any) -> tuple[Any, Any]:
+  """Folds the guard's zero into the step's outputs, so that it is never pruned.
 
   A pure callback is dead code unless an output the caller keeps depends on
-  it. Folding it into one counter was not enough: a step returning only the
-  params, the loss scale and `total_skips`, a `lax.scan` whose final carry is
-  dropped, or `jit(vmap(...))` pruned the guard. Every scalar of the state now
-  depends on it: the loss scale (which the next step's skip decision and
-  unscaling read, so it stays live through a scan even when the caller keeps
-  only the params), the counters and `last_step_applied`. A scalar add per
-  leaf, no pass over the gradients or the params. The one gap: a caller who
-  keeps nothing of the new state (only the updates or params of one call)
-  keeps no output the guard can reach; such a loop never updates the scale
-  either. The inner state and `nonfinite_leaves` are left as they are: they
-  can be arbitrarily large.
+  it. The zero is folded into every scalar of the new wrapper state (the loss
+  scale, which the next step reads, so it stays live through a `scan`; the
+  counters; `last_step_applied`) and into the smallest leaf of `out` (the
+  updates, or the new params of the fused step), so a step that returns
+  only the params keeps it too. Scalar work and one pass over one small leaf;
+  the inner state and `nonfinite_leaves` are left as they are (they can be
+  large).
   """
-  return state._replace(**{f: fold_into_scalars(zero, getattr(state, f)) for f in _SCALAR_FIELDS})
+  state = state._replace(**{f: fold_into_scalars(zero, getattr(state, f)) for f in _SCALAR_FIELDS})
+  return fold_into_smallest_leaf(zero, out), state
 
 
 _SCALAR_FIELDS = ("loss_scale", "last_step_applied", "consecutive_skips", "total_skips")
@@ -322,4 +319,16 @@ _SCALAR_FIELDS = ("loss_scale", "last_step_applied", "consecutive_skips", "total
 
 def fold_into_scalars(zero: jax.Array, tree: Any) -> Any:
   """`tree` with the guard's zero folded into each scalar leaf (see `keep_alive`)."""
-  return jax.tree.map(lambda x: _fold(zero, x), tree)
+  return jax.tree.map(lambda x: _fold(zero, x) if jnp.ndim(x) == 0 else x, tree)
+
+
+def fold_into_smallest_leaf(zero: jax.Array, tree: Any) -> Any:
+  """`tree` with the guard's zero folded into its smallest array leaf (see `keep_alive`)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  arrays = [
+    i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.dtype != jax.dtypes.float0
+  ]
+  if arrays:
+    smallest = min(arrays, key=lambda i: leaves[i].size)
+    leaves[smallest] = _fold(zero, leaves[smallest])
+  return jax.tree.unflatten(treedef, leaves)

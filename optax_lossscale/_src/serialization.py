@@ -5,13 +5,16 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import jax
+import jax.numpy
 import numpy as np
 
 from optax_lossscale._src.dynamic_loss_scale import DynamicLossScale
 from optax_lossscale._src.loss_scale import FixedLossScale, LossScale
 
 _ACCEPTED_FORMS = (
-  "'dynamic', a number >= 1 (a FixedLossScale), a LossScale instance, or a"
+  "'dynamic', a number >= 1 (a FixedLossScale; a NumPy or JAX scalar too), a LossScale"
+  " instance, or a"
   " dict {'class_name': ..., 'config': ...} from serialize()"
 )
 
@@ -72,13 +75,21 @@ def deserialize(config: dict[str, Any]) -> LossScale:
     raise ValueError(f"Invalid config for {config['class_name']}: {e}") from e
 
 
+def _is_real_scalar_array(x: Any) -> bool:
+  """A 0-d NumPy or JAX array (or NumPy scalar) of an integer or floating dtype."""
+  if not isinstance(x, (np.ndarray, np.generic, jax.Array)) or np.ndim(x) != 0:
+    return False
+  return np.issubdtype(x.dtype, np.integer) or jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+
+
 def get(identifier: Any) -> LossScale:
   """Returns the loss scale an identifier names, as Keras's `loss_scale=` does.
 
   Args:
     identifier: `'dynamic'` (a default `DynamicLossScale`), a number (a
-      `FixedLossScale` of that value), a `LossScale` (returned as is), or a
-      dict produced by `serialize`.
+      `FixedLossScale` of that value; a NumPy or JAX scalar such as
+      `jnp.float32(128)` too), a `LossScale` (returned as is), or a dict
+      produced by `serialize`.
 
   Returns:
     A `LossScale`.
@@ -97,4 +108,6 @@ def get(identifier: Any) -> LossScale:
     return deserialize(identifier)
   elif isinstance(identifier, numbers.Real) and not isinstance(identifier, (bool, np.bool_)):
     return FixedLossScale(identifier)
+  elif _is_real_scalar_array(identifier):
+    return FixedLossScale(identifier.item())
   raise ValueError(f"Cannot interpret {identifier!r} as a loss scale; accepted: {_ACCEPTED_FORMS}.")

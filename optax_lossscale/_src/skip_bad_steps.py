@@ -3,8 +3,9 @@
 For bfloat16 and float32 runs, which need no loss scale but still die of one
 non-finite step or of one bad batch. Per update:
 
-  norm   = sqrt(psum_over_axis_name(sum(g**2)))     # only when spikes are watched
-  finite = norm (and the loss) finite, else all_finite(grads, axis_name)
+  sq     = psum_over_axis_name(sum(g**2 if g is finite else NaN))  # only when spikes are watched
+  finite = sq is not NaN (and the loss finite), else all_finite(grads, axis_name)
+  norm   = sqrt(sq)     # +Inf when a finite gradient's squares overflow float32
   spike  = finite and, for a watched quantity x (log norm, loss) past its warm-up,
            (x - running_mean) / running_std > spike_threshold
   if spike and the spike streak already reached max_consecutive_spike_skips:
@@ -14,7 +15,10 @@ non-finite step or of one bad batch. Per update:
   inner runs only if apply (lax.cond); the statistic is fed only applied steps
 
 Skipped steps do not feed the statistic: a spike would otherwise widen the
-variance and hide the next one, and a NaN would poison it. A real change of
+variance and hide the next one, and a NaN would poison it. Neither do a zero
+norm nor one that overflows float32 (log 0 and log Inf carry no scale); the
+latter is a spike once warmed up, and applied before, as without spike
+detection: the finiteness answer is the same with or without it. A real change of
 regime therefore looks like a streak of spikes, which the streak bound ends.
 """
 
@@ -28,8 +32,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale._src import optimizer as optimizer_lib
-from optax_lossscale._src import overflow_guard, skip_branch, skip_guard, tree_utils, validation
+from optax_lossscale._src import (
+  composition,
+  conditional_step,
+  overflow_guard,
+  skip_guard,
+  tree_utils,
+  validation,
+)
 from optax_lossscale._src import spike_statistic as stat_lib
 
 MONITORS = ("grad_norm", "loss")
@@ -97,15 +107,20 @@ class SkipBadSteps(optax.GradientTransformationExtraArgs):
   @property
   def inner_optimizer(self) -> optax.GradientTransformation:
     """The wrapped transformation."""
-    return getattr(self.update, optimizer_lib._SETTINGS_ATTR)["inner"]
+    return getattr(self.update, conditional_step.SETTINGS_ATTR)["inner"]
 
   def get_config(self) -> dict[str, Any]:
     """A JSON-serializable dict of the settings (not the inner's)."""
-    return dict(getattr(self.update, optimizer_lib._SETTINGS_ATTR)["config"])
+    return dict(getattr(self.update, conditional_step.SETTINGS_ATTR)["config"])
 
 
 def _sum_of_squares(tree: Any) -> jax.Array:
-  """The squared global L2 norm of the inexact leaves, accumulated in float32 or wider."""
+  """The squared global L2 norm of the inexact leaves in float32; NaN if any value is not finite.
+
+  A non-finite value contributes NaN (not +Inf), so that one reduction
+  answers both questions: NaN means a NaN/Inf gradient, +Inf that finite
+  gradients overflowed float32's squares (a norm above about 1.8e19).
+  """
   total = jnp.zeros((), jnp.float32)
   for g in jax.tree.leaves(tree):
     if not tree_utils.is_inexact(g) or not jnp.size(g):
@@ -114,7 +129,8 @@ def _sum_of_squares(tree: Any) -> jax.Array:
     if jnp.iscomplexobj(g):
       g = jnp.abs(g)
     g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-    total = total + jnp.sum(g * g).astype(jnp.float32)
+    squares = jnp.where(jnp.isfinite(g), g * g, jnp.nan)
+    total = total + jnp.sum(squares).astype(jnp.float32)
   return total
 
 
@@ -139,7 +155,7 @@ def skip_bad_steps(
   max_consecutive_spike_skips: int = 10,
   on_spike_streak: Literal["accept", "raise"] = "accept",
   max_consecutive_skips: int | None = None,
-  skip_mode: optimizer_lib.SkipMode = "auto",
+  skip_mode: conditional_step.SkipMode = "auto",
   axis_name: tree_utils.AxisName = None,
 ) -> SkipBadSteps:
   """Wraps an optax transformation to skip non-finite steps and, optionally, spikes.
@@ -225,11 +241,17 @@ def skip_bad_steps(
       "inner must be an optax.GradientTransformation (e.g. optax.adam(1e-3));"
       f" got {type(inner).__name__}."
     )
-  if isinstance(inner, optimizer_lib.LossScaleOptimizer):
+  inner_kind = (conditional_step.settings_of(inner) or {}).get("kind")
+  if inner_kind == composition.LOSS_SCALE:
     raise ValueError(
       "skip_bad_steps must go inside the loss-scale wrapper, not around it:"
       " loss_scale_optimizer(skip_bad_steps(inner, ...)), so that an overflow"
       " backs the scale off and the spike check sees unscaled gradients."
+    )
+  if inner_kind == composition.SKIP:
+    raise ValueError(
+      "skip_bad_steps cannot wrap another skip_bad_steps; use one, with the options"
+      " of both: skip_bad_steps(inner, spike_threshold=..., ...)."
     )
   if spike_threshold is not None:
     spike_threshold = validation.check_float(
@@ -266,8 +288,7 @@ def skip_bad_steps(
   if on_spike_streak not in _ON_SPIKE_STREAK:
     raise ValueError(f"on_spike_streak must be one of {_ON_SPIKE_STREAK}; got {on_spike_streak!r}.")
   max_consecutive_skips = overflow_guard.check_max_consecutive_skips(max_consecutive_skips)
-  if skip_mode not in optimizer_lib._SKIP_MODES:
-    raise ValueError(f"skip_mode must be one of {optimizer_lib._SKIP_MODES}; got {skip_mode!r}.")
+  skip_mode = conditional_step.check_skip_mode(skip_mode)
   axis_name = tree_utils.normalize_axis_name(axis_name)
   config = {
     "spike_threshold": spike_threshold,
@@ -285,15 +306,8 @@ def skip_bad_steps(
   user_inner, inner = inner, optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> SkipBadStepsState:
+    composition.check_init(composition.SKIP, init_fn)
     inner_state = inner.init(params)
-    nested = jax.tree.leaves(
-      inner_state, is_leaf=lambda x: isinstance(x, optimizer_lib.LossScaleOptimizerState)
-    )
-    if any(isinstance(x, optimizer_lib.LossScaleOptimizerState) for x in nested):
-      raise ValueError(
-        "skip_bad_steps must go inside the loss-scale wrapper, not around it:"
-        " loss_scale_optimizer(skip_bad_steps(inner, ...))."
-      )
     zero = jnp.zeros((), jnp.int32)
     return SkipBadStepsState(
       inner_state=inner_state,
@@ -308,6 +322,8 @@ def skip_bad_steps(
       loss=stat_lib.init() if "loss" in monitors else None,
     )
 
+  composition.register_init(init_fn, composition.SKIP)
+
   def watched_values(grads: Any, loss: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Whether the step is finite, and the watched values (raw) by name."""
     values = {}
@@ -316,9 +332,10 @@ def skip_bad_steps(
       if axis_name is not None:
         squares = jax.lax.psum(squares, axis_name)
       values["grad_norm"] = jnp.sqrt(squares)
-      # A NaN/Inf anywhere makes the norm NaN/Inf (on every shard, after the
-      # psum): the norm is the finiteness check, one pass over the gradients.
-      finite = jnp.isfinite(values["grad_norm"])
+      # A NaN/Inf anywhere makes the sum NaN (on every shard, after the psum):
+      # the norm is the finiteness check, one pass over the gradients. +Inf is
+      # a finite step whose norm overflowed float32.
+      finite = jnp.logical_not(jnp.isnan(squares))
     else:
       finite = tree_utils.all_finite(grads, axis_name)
     if "loss" in monitors:
@@ -346,6 +363,13 @@ def skip_bad_steps(
     extra_args: dict[str, Any],
     apply_to_params: bool,
   ) -> tuple[Any, SkipBadStepsState]:
+    if not isinstance(state, SkipBadStepsState):
+      raise TypeError(
+        "skip_bad_steps's update expects the SkipBadStepsState that its init returned;"
+        f" got {type(state).__name__}. Pass this wrapper's state, opt_state ="
+        " tx.init(params) with tx the skip_bad_steps transformation."
+      )
+    composition.check_update(composition.SKIP, update_fn, "grad_norm" in monitors)
     finite, values = watched_values(grads, extra_args.get("loss"))
     stats = {name: getattr(state, name) for name in monitors}
     # The statistic's units: the log of the norm (scale-free), the loss itself.
@@ -361,29 +385,16 @@ def skip_bad_steps(
     spike_skip = spike & ~rebase
     should_apply = finite & ~spike_skip
 
-    def apply_inner(grads: Any, inner_state: Any, params: Any) -> tuple[Any, Any]:
-      updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
-      if apply_to_params:
-        # Inside the branch the updates fuse into the parameter update.
-        return optax.apply_updates(params, updates), inner_state
-      return updates, inner_state
-
-    operands = (grads, state.inner_state, params)
-    old_params = params if apply_to_params else None
-    if optimizer_lib.resolve_skip_mode(skip_mode) == "cond":
-
-      def skip_inner(grads: Any, inner_state: Any, params: Any) -> tuple[Any, Any]:
-        shapes = jax.eval_shape(apply_inner, grads, inner_state, params)
-        return skip_branch.skip_outputs(shapes, inner_state, params if apply_to_params else None)
-
-      # The pass-through is the false branch, so XLA aliases the state buffers.
-      out, inner_state = jax.lax.cond(should_apply, apply_inner, skip_inner, *operands)
-    else:
-      new_out, new_inner_state = apply_inner(*operands)
-      shapes = jax.eval_shape(lambda tree: tree, (new_out, new_inner_state))
-      old_out, old_inner_state = skip_branch.skip_outputs(shapes, state.inner_state, old_params)
-      out = tree_utils.select_tree(should_apply, new_out, old_out)
-      inner_state = tree_utils.select_tree(should_apply, new_inner_state, old_inner_state)
+    out, inner_state = conditional_step.apply_inner_if(
+      should_apply,
+      inner,
+      grads,
+      state.inner_state,
+      params,
+      extra_args,
+      skip_mode=skip_mode,
+      apply_to_params=apply_to_params,
+    )
 
     new_stats = {}
     for n in monitors:
@@ -421,9 +432,10 @@ def skip_bad_steps(
       if max_consecutive_skips is not None:
         too_many = skipped & (consecutive_skips > max_consecutive_skips)
       raising = streak_over if on_spike_streak == "raise" else jnp.asarray(False)
-      zero = guard(grads, consecutive_skips, spike_streak, too_many, raising, values)
-      # Every scalar of the new state depends on the guard, so it fires whatever
-      # the caller keeps; the inner state is left alone (it can be large).
+      zero = guard(grads, consecutive_skips, spike_streak, too_many, raising, finite, values)
+      # Every scalar of the new state and the smallest leaf of the output depend
+      # on the guard, so it fires whatever the caller keeps (the inner state is
+      # left alone: it can be large).
       new_state = new_state._replace(
         **{
           f: overflow_guard.fold_into_scalars(zero, getattr(new_state, f))
@@ -431,34 +443,10 @@ def skip_bad_steps(
           if f != "inner_state"
         }
       )
+      out = overflow_guard.fold_into_smallest_leaf(zero, out)
     return out, new_state
 
-  def update_fn(
-    grads: optax.Updates,
-    state: SkipBadStepsState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, SkipBadStepsState]:
-    return step(grads, state, params, extra_args, apply_to_params=False)
-
-  def apply_gradients_fn(
-    grads: optax.Updates,
-    state: SkipBadStepsState,
-    params: optax.Params,
-    **extra_args: Any,
-  ) -> tuple[optax.Params, SkipBadStepsState]:
-    return step(grads, state, params, extra_args, apply_to_params=True)
-
-  # The loss-scale wrapper's attribute: `ols.apply_gradients` and the Flax
-  # TrainState find the fused step through it (optimizer.fused_apply_gradients).
-  setattr(
-    update_fn,
-    optimizer_lib._SETTINGS_ATTR,
-    {
-      "inner": user_inner,
-      "config": config,
-      "update": update_fn,
-      "apply_gradients": apply_gradients_fn,
-    },
+  update_fn = conditional_step.attach(
+    step, {"kind": composition.SKIP, "inner": user_inner, "config": config}
   )
   return SkipBadSteps(init_fn, update_fn)

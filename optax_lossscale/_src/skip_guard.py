@@ -20,6 +20,18 @@ import numpy as np
 from optax_lossscale._src import gradient_report as report_lib
 from optax_lossscale._src import overflow_guard
 
+_NONFINITE_ADVICE = (
+  "The last step's gradients (or watched loss) held NaN/Inf: look at the leaves above, the"
+  " loss and the forward pass feeding them (log/exp/division by zero, values beyond the"
+  " dtype's range), and at the input batch; compute the loss and normalisation statistics"
+  " in float32; lower the learning rate if the parameters grew until activations overflow."
+)
+_SPIKE_ADVICE = (
+  "A long streak of spikes is a change of regime or a real divergence: lower the learning"
+  " rate, clip the gradients, check the data, or let the guard accept it"
+  " (on_spike_streak='accept')."
+)
+
 
 def _guard_message(
   report: report_lib.GradientReport,
@@ -27,6 +39,7 @@ def _guard_message(
   spike_streak: np.ndarray,
   too_many: np.ndarray,
   streak_over: np.ndarray,
+  finite: np.ndarray,
   values: dict[str, np.ndarray],
   config: dict[str, Any],
 ) -> str:
@@ -44,9 +57,7 @@ def _guard_message(
     f"skip_bad_steps stopped the run: {'; and '.join(reasons)}.\n"
     f"This step: {seen or 'no watched values'}.\n\n"
     f"{report_lib.format_gradient_report(report)}\n\n"
-    "A long streak of spikes is a change of regime or a real divergence: lower the learning"
-    " rate, clip the gradients, check the data, or let the guard accept it"
-    " (on_spike_streak='accept')."
+    f"{_SPIKE_ADVICE if bool(finite) else _NONFINITE_ADVICE}"
   )
 
 
@@ -63,12 +74,18 @@ def make_guard(config: dict[str, Any]) -> Any:
     return None
 
   def raise_error(
-    report: Any, skips: Any, spike_streak: Any, too_many: Any, streak_over: Any, values: Any
+    report: Any,
+    skips: Any,
+    spike_streak: Any,
+    too_many: Any,
+    streak_over: Any,
+    finite: Any,
+    values: Any,
   ) -> np.ndarray:
     # Re-checked here: under vmap a batched cond runs this for every element.
     if bool(np.any(too_many)) or bool(np.any(streak_over)):
       raise overflow_guard.OverflowGuardError(
-        _guard_message(report, skips, spike_streak, too_many, streak_over, values, config)
+        _guard_message(report, skips, spike_streak, too_many, streak_over, finite, values, config)
       )
     return np.zeros((), np.int32)
 
@@ -78,14 +95,17 @@ def make_guard(config: dict[str, Any]) -> Any:
     spike_streak: jax.Array,
     too_many: jax.Array,
     streak_over: jax.Array,
+    finite: jax.Array,
     values: dict[str, jax.Array],
   ) -> jax.Array:
     def fire(grads: Any, *operands: Any) -> jax.Array:
-      report = report_lib.gradient_report(grads)
+      # No loss scaling here: the gradients' own (narrowest) dtype is the one
+      # whose range matters, e.g. bfloat16 in a bfloat16 run.
+      report = report_lib.gradient_report(grads, report_lib.narrowest_float_dtype(grads))
       result = jax.ShapeDtypeStruct((), jnp.int32)
       return jax.pure_callback(raise_error, result, report, *operands, vmap_method="sequential")
 
-    operands = (skips, spike_streak, too_many, streak_over, values)
+    operands = (skips, spike_streak, too_many, streak_over, finite, values)
     zero = jax.lax.cond(
       too_many | streak_over, fire, lambda *_: jnp.zeros((), jnp.int32), grads, *operands
     )

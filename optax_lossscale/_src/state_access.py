@@ -9,6 +9,7 @@ through it, without importing Flax.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 import warnings
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_lossscale._src import composition, tree_utils
 from optax_lossscale._src import loss_scale as loss_scale_lib
 from optax_lossscale._src.optimizer import LossScaleOptimizerState
 from optax_lossscale._src.skip_bad_steps import SkipBadStepsState
@@ -166,91 +168,42 @@ _NEITHER = (
 )
 
 
-def _find_path(opt_state: Any) -> tuple[Any, ...] | None:
-  """The key path of the first wrapper state in `opt_state`, or None."""
-  for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0]:
-    if _is_state(node):
-      return path
-  return None
-
-
-def _child(node: Any, key: Any) -> Any:
-  if isinstance(key, jax.tree_util.SequenceKey):
-    return node[key.idx]
-  if isinstance(key, jax.tree_util.DictKey):
-    return node[key.key]
-  if isinstance(key, jax.tree_util.GetAttrKey):
-    return getattr(node, key.name)
-  raise KeyError(key)
-
-
 def composition_problem(opt_state: Any) -> str | None:
-  """Says why the wrapper's position in `opt_state` gives wrong results, or None.
-
-  Detectable from the state alone: a wrapper inside `optax.apply_if_finite`
-  or `optax.MultiSteps`, or after another transformation in a `chain` or
-  `named_chain` (that one then sees the *scaled* gradients).
-  """
+  """Says why the wrappers' places in `opt_state` give wrong results, or None."""
   if isinstance(opt_state, optax.GradientTransformation):
     return None
-  if not isinstance(opt_state, LossScaleOptimizerState) and hasattr(opt_state, "opt_state"):
+  if not isinstance(opt_state, (LossScaleOptimizerState, SkipBadStepsState)) and hasattr(
+    opt_state, "opt_state"
+  ):
     opt_state = opt_state.opt_state
-  path = _find_path(opt_state)
-  if not path:
-    return None
-  node = opt_state
-  for depth, key in enumerate(path):
-    where = jax.tree_util.keystr(path[:depth]) or "the top level"
-    if isinstance(node, optax.ApplyIfFiniteState):
-      return (
-        f"loss_scale_optimizer is wrapped in optax.apply_if_finite (at {where}): it"
-        " hides overflows from the wrapper, so the loss scale does not back off until"
-        " apply_if_finite gives up. Drop apply_if_finite: loss_scale_optimizer already"
-        " skips non-finite steps."
-      )
-    if isinstance(node, optax.MultiStepsState):
-      return (
-        f"loss_scale_optimizer is wrapped in optax.MultiSteps (at {where}): one overflow"
-        " poisons the accumulator. Wrap the other way round:"
-        " loss_scale_optimizer(optax.MultiSteps(inner, k).gradient_transformation())."
-      )
-    first = (
-      type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey) and key.idx > 0
-    ) or (
-      isinstance(node, dict)
-      and isinstance(key, jax.tree_util.DictKey)
-      and next(iter(node)) != key.key
-    )
-    if first:
-      return (
-        f"loss_scale_optimizer is not first in its chain (at"
-        f" {jax.tree_util.keystr(path[: depth + 1])}): the"
-        " transformations before it receive the *scaled* gradients (clipping clips"
-        " them, weight decay is divided by the scale). Put them inside instead:"
-        " loss_scale_optimizer(optax.chain(...))."
-      )
-    try:
-      node = _child(node, key)
-    except (KeyError, IndexError, AttributeError, TypeError):
-      return None
-  return None
+  return composition.composition_problem(
+    opt_state,
+    {composition.LOSS_SCALE: LossScaleOptimizerState, composition.SKIP: SkipBadStepsState},
+  )
 
 
 def check_composition(opt_state: Any) -> None:
-  """Raises if the wrapper sits where it gives silently wrong results.
+  """Raises if the optimizer state shows a wrapper where it gives wrong results.
 
-  `optax.chain(clip, loss_scale_optimizer(sgd))` clips the *scaled*
-  gradients; `optax.apply_if_finite(loss_scale_optimizer(adam), k)` hides
-  overflows from the wrapper so its scale does not back off;
-  `optax.MultiSteps(loss_scale_optimizer(...), k)` cannot recover from one
-  overflow. Their states show it, so this check needs only the state.
-  `get_scaled_loss` and `value_and_grad` warn about the same cases.
+  The wrappers refuse such compositions themselves when they are built,
+  initialised or first updated; this check reads a state that was built
+  elsewhere (restored, or made by older code). From the state it sees: two
+  `loss_scale_optimizer` states in one optimizer (the loss is scaled once);
+  one nested in another or in `skip_bad_steps`; one inside
+  `optax.apply_if_finite` (overflows hidden from it), `optax.MultiSteps`
+  (one overflow poisons the accumulator for good), `optax.masked` or
+  `optax.multi_transform` (other leaves get scaled gradients), or after a
+  stateful transformation in a chain (which sees scaled gradients); and a
+  `skip_bad_steps` state inside `optax.MultiSteps`. A stateless
+  transformation before the wrapper leaves no trace in the state: a harmless
+  `optax.identity()` passes, and a clipping is refused by the wrapper's
+  `update`. `get_scaled_loss` and `value_and_grad` warn about the same cases.
 
   Args:
     opt_state: the optimizer state (or a `TrainState` / `nnx.Optimizer`).
 
   Returns:
-    None, when the wrapper is outermost (or alone).
+    None, when nothing is wrong.
 
   Raises:
     ValueError: naming the problem and the fix.
@@ -258,12 +211,15 @@ def check_composition(opt_state: Any) -> None:
   Example:
     >>> import jax.numpy as jnp, optax
     >>> import optax_lossscale as ols
-    >>> tx = optax.chain(optax.clip(1.0), ols.loss_scale_optimizer(optax.sgd(0.1)))
+    >>> ok = optax.chain(optax.identity(), ols.loss_scale_optimizer(optax.sgd(0.1)))
+    >>> ols.check_composition(ok.init(jnp.ones(2)))
+    >>> inner_first = ols.loss_scale_optimizer(optax.adam(1e-3))
+    >>> stacked = (inner_first.init(jnp.ones(2)), inner_first.init(jnp.ones(2)))
     >>> try:
-    ...   ols.check_composition(tx.init(jnp.ones(2)))
+    ...   ols.check_composition(stacked)
     ... except ValueError as e:
-    ...   print('not first in its chain' in str(e))
-    True
+    ...   print(str(e)[:44])
+    2 loss_scale_optimizer states (at [0], [1]):
   """
   problem = composition_problem(opt_state)
   if problem is not None:
@@ -292,8 +248,8 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
   Example:
     >>> import jax.numpy as jnp, optax
     >>> import optax_lossscale as ols
-    >>> tx = optax.chain(optax.add_decayed_weights(1e-4),
-    ...                  ols.loss_scale_optimizer(optax.adam(1e-3)))
+    >>> tx = optax.named_chain(('scaled', ols.loss_scale_optimizer(optax.adam(1e-3))),
+    ...                        ('halved', optax.scale(0.5)))
     >>> state = tx.init({'w': jnp.ones(3)})
     >>> float(ols.get_loss_scale(state)())
     32768.0
@@ -306,14 +262,26 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
 def get_scaled_loss(loss: Any, opt_state: Any) -> Any:
   """Multiplies `loss` by the current loss scale found in `opt_state`.
 
+  As in jmp and Keras 3, a loss in a floating dtype narrower than float32
+  (float16, bfloat16) is promoted to float32 before it is scaled, so a
+  float16 loss of 16 at the default scale 2**15 is 524288, not `inf`; the
+  gradients still flow back into the model in its own dtypes. As in
+  TensorFlow, a callable is scaled lazily: the result is a function
+  returning the callable's loss times the scale read now.
+
   Args:
-    loss: the loss (or any pytree of floating arrays) to scale.
-    opt_state: the state of a `loss_scale_optimizer`, possibly nested.
+    loss: the loss: a floating array or Python number, a pytree of them, or
+      a callable returning one.
+    opt_state: the state of a `loss_scale_optimizer`, possibly nested (or a
+      `LossScale`).
 
   Returns:
-    `loss` times the current scale, in `loss`'s dtype: a float16 loss stays
-    float16 (jmp promotes it to float32), so `16 * 2**15` is `inf` there.
-    Compute the loss in float32.
+    `loss` times the current scale (in float32 or wider), or for a callable
+    a callable returning it.
+
+  Raises:
+    TypeError: if a leaf of `loss` is not a floating number or array (an
+      integer loss, a string, an object), naming its path.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -321,10 +289,38 @@ def get_scaled_loss(loss: Any, opt_state: Any) -> Any:
     >>> state = ols.loss_scale_optimizer(optax.sgd(1.0), 8).init(jnp.ones(2))
     >>> ols.get_scaled_loss(jnp.float32(0.5), state)
     Array(4., dtype=float32)
+    >>> ols.get_scaled_loss(jnp.float16(0.5), state)
+    Array(4., dtype=float32)
+    >>> ols.get_scaled_loss(lambda: jnp.float32(0.25), state)()
+    Array(2., dtype=float32)
   """
   if not isinstance(opt_state, loss_scale_lib.LossScale):
     warn_composition(opt_state)
-  return get_loss_scale(opt_state).scale(loss)
+  ls = get_loss_scale(opt_state)
+  if callable(loss) and not hasattr(loss, "dtype"):
+    loss_fn = loss
+
+    @functools.wraps(loss_fn)
+    def scaled_loss(*args: Any, **kwargs: Any) -> Any:
+      return ls.scale(_checked_loss(loss_fn(*args, **kwargs)))
+
+    return scaled_loss
+  return ls.scale(_checked_loss(loss))
+
+
+def _checked_loss(loss: Any) -> Any:
+  """`loss`, after checking that every leaf is a floating number or array."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(loss)[0]:
+    if isinstance(leaf, (bool, np.bool_)) or not (
+      isinstance(leaf, (float, int)) or tree_utils.is_inexact(leaf)
+    ):
+      where = f" at {jax.tree_util.keystr(path)}" if path else ""
+      raise TypeError(
+        f"get_scaled_loss needs a floating loss (an array, a Python number, a pytree of"
+        f" them, or a callable returning one); got {type(leaf).__name__}"
+        f"{' of dtype ' + str(leaf.dtype) if hasattr(leaf, 'dtype') else ''}{where}."
+      )
+  return jax.tree.map(lambda x: float(x) if isinstance(x, int) else x, loss)
 
 
 def get_unscaled_gradients(grads: Any, opt_state: Any) -> Any:

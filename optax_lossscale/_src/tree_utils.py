@@ -49,10 +49,13 @@ def _check_axis_name(axis_name: AxisName) -> None:
   if axis_name is None:
     return
   names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  if not names or not all(isinstance(n, Hashable) for n in names):
+  # A mesh or pmap axis is named by a string (or another hashable); None, a
+  # bool or a nested sequence would only fail later, inside the traced step.
+  valid = lambda n: isinstance(n, Hashable) and not isinstance(n, (bool, tuple, type(None)))
+  if not names or not all(valid(n) for n in names):
     raise TypeError(
-      "axis_name must be None, a hashable axis name or a non-empty tuple of"
-      f" axis names; got {axis_name!r}."
+      "axis_name must be None, an axis name (a string such as 'data') or a non-empty"
+      f" tuple of axis names; got {axis_name!r}."
     )
 
 

@@ -70,17 +70,28 @@ def check_bool(name: str, value: Any, *, error: type[Exception] = TypeError) -> 
 
 
 def check_int(name: str, value: Any, *, low: int, accepted: str) -> int:
-  """Checks that `value` is an integer in [low, int32 max] and returns it."""
-  if isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0:
-    if not jnp.issubdtype(value.dtype, jnp.integer):
+  """Checks that `value` is a whole number in [low, int32 max] and returns it as an int.
+
+  A float with no fractional part (`2.0`, as configs read back from JSON
+  carry it; TensorFlow and jmp accept it) is taken; `2.5` is refused, not
+  truncated. NumPy and JAX scalars are read as the numbers they hold.
+  """
+  number = value
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0:
+    if not jnp.issubdtype(value.dtype, jnp.integer) and not jnp.issubdtype(
+      value.dtype, jnp.floating
+    ):
       raise ValueError(f"{name} must be {accepted}; got {value!r}.")
     try:
-      value = int(value)
+      number = value.item()
     except jax.errors.ConcretizationTypeError as e:
       raise ValueError(f"{name} must be a concrete integer ({accepted}); got {value!r}.") from e
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+  if isinstance(number, (bool, np.bool_)) or not isinstance(number, numbers.Real):
     raise ValueError(f"{name} must be {accepted}; got {value!r}.")
-  number = int(value)
+  if not isinstance(number, numbers.Integral):
+    if not (math.isfinite(number) and float(number).is_integer()):
+      raise ValueError(f"{name} must be {accepted}, a whole number; got {value!r}.")
+  number = int(number)
   if not low <= number <= INT32_MAX:
     raise ValueError(f"{name} must be {accepted}; got {value!r}.")
   return number
