@@ -81,3 +81,24 @@ class GeneralModel:
             scale = np.maximum(lowered, np.float32(self.min_loss_scale))
         out.append((np.float32(scale), counter, max(tracker, 0)))
     return out
+
+
+def keras3_trajectory(
+  finite_flags: list[bool], initial_scale: float = 2**15, dynamic_growth_steps: int = 2000
+) -> list[np.float32]:
+  """Keras 3's LossScaleOptimizer, step by step, from its documented rule.
+
+  A finite step counts; the `dynamic_growth_steps`-th in a row doubles the
+  scale and restarts the count. A non-finite step halves the scale (no floor)
+  and restarts the count.
+  """
+  scale, counter, out = np.float32(initial_scale), 0, []
+  for finite in finite_flags:
+    if finite and counter == dynamic_growth_steps - 1:
+      scale, counter = scale * np.float32(2.0), 0
+    elif finite:
+      counter += 1
+    else:
+      scale, counter = scale * np.float32(0.5), 0
+    out.append(np.float32(scale))
+  return out

@@ -37,12 +37,19 @@ class ValueAndGradTest(chex.TestCase):
     chex.assert_trees_all_equal(grads, expected_grads)
 
   def test_value_is_exact_where_dividing_the_scaled_loss_would_not_be(self):
-    # A float16 loss whose scaled value overflows: dividing back would give inf.
+    # With a scale that is not a power of two, (loss * S) / S is not always the loss.
+    ls = ols.FixedLossScale(3.0)
+    values = np.float32(np.random.default_rng(0).uniform(0.1, 10.0, 64))
+    inexact = [v for v in values if (v * np.float32(3.0)) / np.float32(3.0) != v]
+    self.assertTrue(inexact)
+    for v in inexact[:3]:
+      loss, grads = ols.value_and_grad(lambda w, v=v: v * jnp.sum(w))(ls, jnp.ones(2))
+      self.assertEqual(loss.dtype, jnp.float32)
+      self.assertEqual(float(loss), float(v * np.float32(2.0)))
+    # A float16 loss keeps its dtype and value; its scaled twin is float32.
     fun = lambda w: jnp.sum(w * w).astype(jnp.float16)
     w = jnp.array([100.0, 200.0], jnp.float32)
-    ls = ols.FixedLossScale(2.0**10)
-    loss, grads = ols.value_and_grad(fun)(ls, w)
-    self.assertTrue(bool(jnp.isinf(ls.scale(fun(w)))))  # scaled loss / scale = inf
+    loss, grads = ols.value_and_grad(fun)(ols.FixedLossScale(2.0**10), w)
     self.assertEqual(loss.dtype, jnp.float16)
     chex.assert_trees_all_equal(loss, fun(w))
     chex.assert_trees_all_equal(grads, 2.0**11 * w)
@@ -69,8 +76,8 @@ class ValueAndGradTest(chex.TestCase):
 
   def test_accepts_an_optimizer_state_and_feeds_the_wrapper(self):
     tx = optax.chain(
-      optax.add_decayed_weights(0.0),
       ols.loss_scale_optimizer(optax.sgd(0.1), initial_scale=2.0**5),
+      optax.scale(1.0),
     )
     state = tx.init(_params())
     loss, grads = ols.value_and_grad(_loss)(state, _params(), X)

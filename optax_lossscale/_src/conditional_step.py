@@ -146,9 +146,7 @@ def apply_inner_if(
   )
 
 
-def attach(
-  step: Step, settings: dict[str, Any]
-) -> Callable[..., tuple[optax.Updates, Any]]:
+def attach(step: Step, settings: dict[str, Any]) -> Callable[..., tuple[optax.Updates, Any]]:
   """The optax update function of a wrapper whose step is `step`.
 
   Its fused twin, `(grads, state, params, **extra) -> (new_params, state)`, and

@@ -75,7 +75,8 @@ def config_to_kwargs(config: dict[str, Any]) -> dict[str, Any]:
       " LossScaleOptimizer.get_config() (with 'loss_scale' or 'initial_scale');"
       f" got {got}."
     )
-  kwargs = {k: v for k, v in config.items() if k not in ("name", "inner_optimizer")}
+  # Keras's serialized inner optimizer ('optimizer' in pre-2.4 configs) and name.
+  kwargs = {k: v for k, v in config.items() if k not in ("name", "inner_optimizer", "optimizer")}
   if "loss_scale" in kwargs:
     # Ours (or Keras 2's legacy form): the keyword form only restates it.
     for key in ("dynamic", "initial_scale", "dynamic_growth_steps"):
