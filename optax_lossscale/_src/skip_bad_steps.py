@@ -194,6 +194,16 @@ def skip_bad_steps(
   sees unscaled gradients, whose norm does not jump when the scale changes.
   The other order is rejected at `init`.
 
+  For gradient accumulation put `optax.MultiSteps` inside:
+  `skip_bad_steps(optax.MultiSteps(inner, k).gradient_transformation())`
+  skips a bad micro-batch before it is accumulated. The other order is
+  refused at `init`: MultiSteps clears its accumulator by multiplying it by
+  zero, so one NaN micro-batch would stay in it and every later step would
+  be skipped. Watching the gradient norm after a norm clipping in a chain
+  (`optax.chain(optax.clip_by_global_norm(c), skip_bad_steps(...))`) is
+  refused at the first update: the clipped norm never spikes. Put the
+  clipping inside, `skip_bad_steps(optax.chain(clip, inner), ...)`.
+
   Args:
     inner: the transformation to wrap, e.g. `optax.adam(1e-3)` or a chain.
     spike_threshold: the z-score above which a watched value is a spike, a
