@@ -180,23 +180,38 @@ def _container_problem(kind: str, container: str, dynamic: bool) -> str | None:
   return None
 
 
-def check_update(kind: str, own_update: Callable[..., Any], watches_norm: bool = False) -> None:
-  """Raises if a transformation before `own_update` in an optax chain makes it wrong.
+def check_update(
+  kind: str,
+  own_update: Callable[..., Any],
+  watches_norm: bool = False,
+  writes_values: bool = False,
+) -> None:
+  """Raises if a transformation beside `own_update` in an optax chain makes it wrong.
 
   Call from the wrapper's update function. A loss-scale wrapper must come
   first (only `optax.identity()` may precede it); `skip_bad_steps` watching
-  the gradient norm must not follow a clipping of that norm.
+  the gradient norm must not follow a clipping of that norm; a wrapper that
+  writes overwrite-with-gradient leaves (`writes_values`) must come last, or
+  the transformations after it would transform the values it writes.
   """
-  if kind == SKIP and not watches_norm:
+  if kind == SKIP and not (watches_norm or writes_values):
     return
   target: Any = own_update
   for container, frame in _callers(sys._getframe(1)):
     if container not in ("optax.chain", "optax.named_chain"):
       target = frame.f_code
       continue
-    before = _predecessors(frame, target)
+    before, after = _neighbours(frame, target)
     target = frame.f_code
-    names = [_name(fn) for fn in before if _harms(kind, fn)]
+    later = [_name(fn) for fn in after if not _is_identity(fn)]
+    if writes_values and later:
+      listed = ", ".join(dict.fromkeys(later))
+      raise ValueError(
+        f"{kind} writes overwrite-with-gradient leaves (fp8 metadata), but {listed} comes"
+        f" after it in an {container} and would transform the values it writes. Put"
+        f" {listed} inside the wrapper: {_FIX[kind]}."
+      )
+    names = [_name(fn) for fn in before if _harms(kind, fn, watches_norm)]
     if names:
       listed = ", ".join(dict.fromkeys(names))
       if kind == LOSS_SCALE:
@@ -213,8 +228,10 @@ def check_update(kind: str, own_update: Callable[..., Any], watches_norm: bool =
       )
 
 
-def _predecessors(frame: types.FrameType, target: Any) -> list[Callable[..., Any]]:
-  """The update functions a chain frame runs before the part leading to `target`.
+def _neighbours(
+  frame: types.FrameType, target: Any
+) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:
+  """The update functions a chain frame runs before and after the part leading to `target`.
 
   `target` is the wrapper's update function, or the code object of the
   combinator frame below (the part currently running, the loop variable).
@@ -233,8 +250,9 @@ def _predecessors(frame: types.FrameType, target: Any) -> list[Callable[..., Any
     parts = list(_parts(sequence))
     positions = [i for i, p in enumerate(parts) if leads(p)]
     if len(positions) == 1:
-      return [fn for p in parts[: positions[0]] for fn in _leaf_updates(_update_of(p))]
-  return []  # not found: nothing is claimed
+      leaves = lambda ps: [fn for p in ps for fn in _leaf_updates(_update_of(p))]
+      return leaves(parts[: positions[0]]), leaves(parts[positions[0] + 1 :])
+  return [], []  # not found: nothing is claimed
 
 
 def _leaf_updates(update: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
@@ -249,12 +267,17 @@ def _leaf_updates(update: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
   yield update
 
 
-def _harms(kind: str, update: Callable[..., Any]) -> bool:
-  code = getattr(update, "__code__", None)
+def _is_identity(update: Callable[..., Any]) -> bool:
+  return getattr(update, "__code__", None) is _leaf_codes()["identity"]
+
+
+def _harms(kind: str, update: Callable[..., Any], watches_norm: bool) -> bool:
+  """Whether `update`, run before the wrapper `kind`, makes it wrong."""
   if kind == LOSS_SCALE:
-    return code is not _leaf_codes()["identity"]
+    return not _is_identity(update)
   norm_clips = ("clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip")
-  return any(code is _leaf_codes()[name] for name in norm_clips)
+  code = getattr(update, "__code__", None)
+  return watches_norm and any(code is _leaf_codes()[name] for name in norm_clips)
 
 
 def _name(update: Callable[..., Any]) -> str:

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Literal
+import warnings
 
 import jax
 import optax
 
-from optax_lossscale._src import skip_branch, tree_utils
+from optax_lossscale._src import overwrite, skip_branch, tree_utils
 
 SkipMode = Literal["auto", "cond", "select"]
 SKIP_MODES = ("auto", "cond", "select")
@@ -85,6 +86,8 @@ def apply_inner_if(
   skip_mode: SkipMode,
   apply_to_params: bool,
   prepare: Callable[[Any], Any] | None = None,
+  marked: overwrite.Marked | None = None,
+  marked_factor: jax.Array | None = None,
 ) -> tuple[Any, Any]:
   """Runs `inner` on the step's gradients if `should_apply`, else passes through.
 
@@ -101,12 +104,49 @@ def apply_inner_if(
       updates.
     prepare: applied to `grads` inside the applied branch (the loss scale's
       unscaling), so that XLA fuses it into the inner update.
+    marked: the overwrite-with-gradient leaves (`overwrite`), or None. They
+      bypass `prepare` and `inner` (whose state has no entries for them) and
+      are written with their new value on an applied step.
+    marked_factor: multiplies the marked leaves in loss-scale units (the new
+      loss scale over the old), on applied and skipped steps alike.
 
   Returns:
     `(out, new_inner_state)`: `out` is the updates, or the new params with
     `apply_to_params`; on a skipped step zero updates (the params as given)
     and `inner_state` unchanged, typed exactly like the applied outputs.
   """
+  if marked is not None:
+    if params is None:
+      raise ValueError(
+        "Overwrite-with-gradient leaves (fp8 metadata) need the params: call"
+        " tx.update(grads, state, params), or better ols.apply_gradients(tx, grads,"
+        " state, params), which writes them exactly."
+      )
+    rest_grads, new_values = marked.split(grads)
+    rest_params, old_values = marked.split(params)
+    out, inner_state = apply_inner_if(
+      should_apply,
+      inner,
+      rest_grads,
+      inner_state,
+      rest_params,
+      extra_args,
+      skip_mode=skip_mode,
+      apply_to_params=apply_to_params,
+      prepare=prepare,
+    )
+    values = overwrite.written(marked, should_apply, new_values, old_values, marked_factor)
+    if not apply_to_params:
+      warnings.warn(
+        "Overwrite-with-gradient leaves (fp8 metadata) through tx.update: their update is"
+        " new - old, which optax.apply_updates adds back to within one rounding of the new"
+        " value. ols.apply_gradients(tx, grads, state, params) and"
+        " optax_lossscale.flax.TrainState write them exactly.",
+        UserWarning,
+        stacklevel=5,
+      )
+      values = [v - o for v, o in zip(values, old_values, strict=True)]
+    return marked.merge(out, values), inner_state
 
   def apply_inner(grads: Any, inner_state: Any, params: Any) -> tuple[Any, Any]:
     if prepare is not None:

@@ -35,6 +35,20 @@ from optax_lossscale._src import loss_scale as loss_scale_lib
 _OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
+def _holds_overwrite_collection(tree: Any) -> bool:
+  return isinstance(tree, Mapping) and _OVERWRITE_WITH_GRADIENT in tree
+
+
+def _check_writes_overwrite_leaves(tx: optax.GradientTransformation) -> None:
+  if conditional_step.fused_apply_gradients(tx) is None:
+    raise ValueError(
+      "The params hold Flax's fp8 'overwrite with gradient' collection, which only the"
+      " wrapper itself can write exactly (on applied steps only): make tx the"
+      " loss_scale_optimizer or skip_bad_steps, with the other transformations inside"
+      " it, e.g. loss_scale_optimizer(optax.chain(..., optax.adam(1e-3)))."
+    )
+
+
 class TrainState(train_state.TrainState):
   """`flax.training.train_state.TrainState` for a `loss_scale_optimizer`.
 
@@ -88,13 +102,9 @@ class TrainState(train_state.TrainState):
       and `step` advances by one; on a skipped step only the loss scale and
       the skip counters in `opt_state` change.
     """
-    if isinstance(grads, Mapping) and _OVERWRITE_WITH_GRADIENT in grads:
-      raise ValueError(
-        "grads holds Flax fp8 'overwrite with gradient' entries, which"
-        " optax_lossscale.flax.TrainState does not support (they would be"
-        " written even on skipped steps)."
-      )
     fused = conditional_step.fused_apply_gradients(self.tx)
+    if _holds_overwrite_collection(grads):
+      _check_writes_overwrite_leaves(self.tx)
     if fused is not None:
       # The wrapper is the whole tx: update and apply inside its one branch.
       params, opt_state = fused(grads, self.opt_state, self.params)
@@ -128,7 +138,14 @@ class TrainState(train_state.TrainState):
       ValueError: if `tx` contains no `loss_scale_optimizer` and no
         `skip_bad_steps` (or more than one of either).
     """
-    state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    if _holds_overwrite_collection(params):
+      _check_writes_overwrite_leaves(tx)
+    # Not Flax's create: it leaves the fp8 collection out of `tx.init`, where
+    # the wrapper marks it (overwrite_with_gradient='auto') and keeps it out of
+    # the inner optimizer itself.
+    state = cls(
+      step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=tx.init(params), **kwargs
+    )
     try:
       state_access.step_applied(state.opt_state)  # finds each wrapper, at most once
     except ValueError as e:

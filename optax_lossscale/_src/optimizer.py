@@ -23,6 +23,7 @@ from optax_lossscale._src import (
   dynamic_loss_scale,
   keras_compat,
   overflow_guard,
+  overwrite,
   serialization,
   tree_utils,
 )
@@ -151,6 +152,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       "skip_mode": self._settings["skip_mode"],
       "axis_name": list(axis_name) if isinstance(axis_name, tuple) else axis_name,
       **self._settings["diagnostics"],
+      "overwrite_with_gradient": overwrite.config_value(self._settings["overwrite_with_gradient"]),
     }
 
   @classmethod
@@ -281,6 +283,7 @@ def loss_scale_optimizer(
   record_nonfinite_leaves: bool = False,
   max_consecutive_skips: int | None = None,
   raise_at_min_loss_scale: bool = False,
+  overwrite_with_gradient: overwrite.Spec = "auto",
   **keras_options: Any,
 ) -> LossScaleOptimizer:
   """Wraps an optax transformation with loss scaling and overflow skipping.
@@ -370,6 +373,21 @@ def loss_scale_optimizer(
       callback (never run unless it fires), which makes CPU execution of the
       step synchronous; see the README. With a fixed scale no step is
       skipped, so the guards never fire and the flags stay False.
+    overwrite_with_gradient: which gradient leaves are fp8 metadata whose
+      "gradient" is their new value (Flax's `Fp8DirectDotGeneralOp` and
+      `Fp8Einsum` scales and amax histories): `'auto'` (default) marks every
+      leaf under a `_overwrite_with_gradient` key (Flax's collection), None
+      marks none, a pytree of bools shaped like the params (or a prefix) or
+      a predicate `(path, leaf) -> bool` marks others. Marked leaves are never
+      unscaled and never reach `inner` (its state has no entries for them),
+      are checked for NaN/Inf with the rest, and are written with their new
+      value on an applied step and left as they were on a skipped one
+      (exactly through `apply_gradients` and the Flax `TrainState`; through
+      `update`, as `new - old`, with a warning). Flax's output-gradient
+      metadata (`output_grad_amax_history`, `output_grad_scale`) is measured
+      in units of the loss scale; it is multiplied by the factor by which
+      the scale changes, so that the next step quantizes its scaled
+      cotangents with the right scale (BENCHMARKS.md, "fp8").
     **keras_options: Keras 3's base-optimizer options (`weight_decay`,
       `clipnorm`, `global_clipnorm`, `clipvalue`, `use_ema`, `ema_momentum`,
       `ema_overwrite_frequency`, `loss_scale_factor`,
@@ -419,6 +437,7 @@ def loss_scale_optimizer(
     )
   skip_mode = conditional_step.check_skip_mode(skip_mode)
   axis_name = tree_utils.normalize_axis_name(axis_name)
+  overwrite_with_gradient = overwrite.check_spec(overwrite_with_gradient)
   initial_ls = _restarted(
     keras_compat.resolve_loss_scale(loss_scale, dynamic, initial_scale, dynamic_growth_steps)
   )
@@ -430,8 +449,9 @@ def loss_scale_optimizer(
 
   def init_fn(params: optax.Params) -> LossScaleOptimizerState:
     composition.check_init(composition.LOSS_SCALE, init_fn, initial_ls.dynamic)
+    marked = overwrite.resolve(overwrite_with_gradient, params)
     return LossScaleOptimizerState(
-      inner_state=inner.init(params),
+      inner_state=inner.init(overwrite.exclude(marked, params)),
       # Fresh buffers: a donated state must not delete the prototype's arrays.
       loss_scale=jax.tree.map(lambda x: jnp.array(x, copy=True), initial_ls),
       last_step_applied=jnp.ones((), jnp.bool_),
@@ -453,7 +473,8 @@ def loss_scale_optimizer(
   ) -> tuple[Any, LossScaleOptimizerState]:
     """One update; returns the updates, or with `apply_to_params` the new params."""
     _check_state(state)
-    composition.check_update(composition.LOSS_SCALE, update_fn)
+    marked = overwrite.resolve(overwrite_with_gradient, grads)
+    composition.check_update(composition.LOSS_SCALE, update_fn, writes_values=marked is not None)
     _check_float_grads(grads)
     ls = state.loss_scale
     conditional = functools.partial(
@@ -468,6 +489,7 @@ def loss_scale_optimizer(
       # Unscaling beside its consumers lets XLA fuse it into the inner update:
       # the unscaled gradients are never written to memory.
       prepare=ls.unscale,
+      marked=marked,
     )
     if not ls.dynamic:
       # A fixed scale never skips (TensorFlow semantics): no check, no branch.
@@ -477,9 +499,16 @@ def loss_scale_optimizer(
     # Read only by reductions (the check, the recorded flags). Where the scale
     # cannot change which gradients are finite, they read the gradient buffers
     # as they are: one pass that writes nothing (BENCHMARKS.md, finding 3).
-    checked = grads if _scaling_keeps_finiteness(ls) else ls.unscale(grads)
+    # Overwrite-with-gradient leaves are new values, not scaled gradients:
+    # checked as they are.
+    checked = grads
+    if not _scaling_keeps_finiteness(ls):
+      checked = overwrite.unscaled_rest(marked, grads, ls.unscale)
     new_ls, should_apply = ls.update(checked, axis_name=axis_name)
-    out, inner_state = conditional(should_apply)
+    # fp8 metadata of the output gradients is in units of the loss scale: it
+    # follows the scale when the scale changes (BENCHMARKS.md, "fp8").
+    factor = None if marked is None else new_ls() / ls()
+    out, inner_state = conditional(should_apply, marked_factor=factor)
 
     skipped = jnp.logical_not(should_apply)
     consecutive_skips = jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32)
@@ -510,6 +539,7 @@ def loss_scale_optimizer(
       "skip_mode": skip_mode,
       "axis_name": axis_name,
       "diagnostics": diagnostics,
+      "overwrite_with_gradient": overwrite_with_gradient,
     },
   )
   return LossScaleOptimizer(init_fn, update_fn)

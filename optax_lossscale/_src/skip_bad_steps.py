@@ -36,6 +36,7 @@ from optax_lossscale._src import (
   composition,
   conditional_step,
   overflow_guard,
+  overwrite,
   skip_guard,
   tree_utils,
   validation,
@@ -157,6 +158,7 @@ def skip_bad_steps(
   max_consecutive_skips: int | None = None,
   skip_mode: conditional_step.SkipMode = "auto",
   axis_name: tree_utils.AxisName = None,
+  overwrite_with_gradient: overwrite.Spec = "auto",
 ) -> SkipBadSteps:
   """Wraps an optax transformation to skip non-finite steps and, optionally, spikes.
 
@@ -224,6 +226,12 @@ def skip_bad_steps(
       always and selects the result; `'auto'` (the default) picks per backend
       when the update is traced, as `loss_scale_optimizer` does.
     axis_name: inside `shard_map`/`pmap`, the axis name(s) to agree across.
+    overwrite_with_gradient: which leaves are fp8 metadata whose "gradient"
+      is their new value (see `loss_scale_optimizer`): `'auto'` (Flax's
+      `_overwrite_with_gradient` collection), None, a pytree of bools or a
+      predicate `(path, leaf) -> bool`. They are checked for NaN/Inf, left
+      out of the norm and of the inner optimizer, and written on applied
+      steps only.
 
   Returns:
     A `SkipBadSteps`, an `optax.GradientTransformationExtraArgs`;
@@ -299,6 +307,7 @@ def skip_bad_steps(
     raise ValueError(f"on_spike_streak must be one of {_ON_SPIKE_STREAK}; got {on_spike_streak!r}.")
   max_consecutive_skips = overflow_guard.check_max_consecutive_skips(max_consecutive_skips)
   skip_mode = conditional_step.check_skip_mode(skip_mode)
+  overwrite_with_gradient = overwrite.check_spec(overwrite_with_gradient)
   axis_name = tree_utils.normalize_axis_name(axis_name)
   config = {
     "spike_threshold": spike_threshold,
@@ -311,13 +320,15 @@ def skip_bad_steps(
     "max_consecutive_skips": max_consecutive_skips,
     "skip_mode": skip_mode,
     "axis_name": list(axis_name) if isinstance(axis_name, tuple) else axis_name,
+    "overwrite_with_gradient": overwrite.config_value(overwrite_with_gradient),
   }
   guard = skip_guard.make_guard(config)
   user_inner, inner = inner, optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> SkipBadStepsState:
     composition.check_init(composition.SKIP, init_fn)
-    inner_state = inner.init(params)
+    marked = overwrite.resolve(overwrite_with_gradient, params)
+    inner_state = inner.init(overwrite.exclude(marked, params))
     zero = jnp.zeros((), jnp.int32)
     return SkipBadStepsState(
       inner_state=inner_state,
@@ -334,9 +345,18 @@ def skip_bad_steps(
 
   composition.register_init(init_fn, composition.SKIP)
 
-  def watched_values(grads: Any, loss: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Whether the step is finite, and the watched values (raw) by name."""
+  def watched_values(
+    grads: Any, loss: Any, marked: overwrite.Marked | None
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Whether the step is finite, and the watched values (raw) by name.
+
+    Overwrite-with-gradient leaves are new values, not gradients: checked for
+    NaN/Inf, left out of the norm.
+    """
     values = {}
+    written = []
+    if marked is not None:
+      grads, written = marked.split(grads)
     if "grad_norm" in monitors:
       squares = _sum_of_squares(grads)
       if axis_name is not None:
@@ -364,6 +384,8 @@ def skip_bad_steps(
         loss = jax.lax.pmean(loss, axis_name)
       values["loss"] = loss
       finite = finite & jnp.isfinite(loss)
+    if written:
+      finite = finite & tree_utils.all_finite(written, axis_name)
     return finite, values
 
   def step(
@@ -379,8 +401,11 @@ def skip_bad_steps(
         f" got {type(state).__name__}. Pass this wrapper's state, opt_state ="
         " tx.init(params) with tx the skip_bad_steps transformation."
       )
-    composition.check_update(composition.SKIP, update_fn, "grad_norm" in monitors)
-    finite, values = watched_values(grads, extra_args.get("loss"))
+    marked = overwrite.resolve(overwrite_with_gradient, grads)
+    composition.check_update(
+      composition.SKIP, update_fn, "grad_norm" in monitors, writes_values=marked is not None
+    )
+    finite, values = watched_values(grads, extra_args.get("loss"), marked)
     stats = {name: getattr(state, name) for name in monitors}
     # The statistic's units: the log of the norm (scale-free), the loss itself.
     xs = {n: jnp.log(v) if n == "grad_norm" else v for n, v in values.items()}
@@ -404,6 +429,7 @@ def skip_bad_steps(
       extra_args,
       skip_mode=skip_mode,
       apply_to_params=apply_to_params,
+      marked=marked,
     )
 
     new_stats = {}
