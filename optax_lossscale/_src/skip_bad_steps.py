@@ -3,9 +3,9 @@
 For bfloat16 and float32 runs, which need no loss scale but still die of one
 non-finite step or of one bad batch. Per update:
 
-  sq     = psum_over_axis_name(sum(g**2 if g is finite else NaN))  # only when spikes are watched
-  finite = sq is not NaN (and the loss finite), else all_finite(grads, axis_name)
-  norm   = sqrt(sq)     # +Inf when a finite gradient's squares overflow float32
+  sq     = psum_over_axis_name(sum(g**2))              # only when spikes are watched
+  finite = sq is finite, or if sq is +Inf all_finite(grads, axis_name)  (else all_finite)
+  norm   = sqrt(sq)     # +Inf also when finite gradients' squares overflow float32
   spike  = finite and, for a watched quantity x (log norm, loss) past its warm-up,
            (x - running_mean) / running_std > spike_threshold
   if spike and the spike streak already reached max_consecutive_spike_skips:
@@ -116,12 +116,7 @@ class SkipBadSteps(optax.GradientTransformationExtraArgs):
 
 
 def _sum_of_squares(tree: Any) -> jax.Array:
-  """The squared global L2 norm of the inexact leaves in float32; NaN if any value is not finite.
-
-  A non-finite value contributes NaN (not +Inf), so that one reduction
-  answers both questions: NaN means a NaN/Inf gradient, +Inf that finite
-  gradients overflowed float32's squares (a norm above about 1.8e19).
-  """
+  """The squared global L2 norm of the inexact leaves, accumulated in float32 or wider."""
   total = jnp.zeros((), jnp.float32)
   for g in jax.tree.leaves(tree):
     if not tree_utils.is_inexact(g) or not jnp.size(g):
@@ -130,8 +125,7 @@ def _sum_of_squares(tree: Any) -> jax.Array:
     if jnp.iscomplexobj(g):
       g = jnp.abs(g)
     g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-    squares = jnp.where(jnp.isfinite(g), g * g, jnp.nan)
-    total = total + jnp.sum(squares).astype(jnp.float32)
+    total = total + jnp.sum(g * g).astype(jnp.float32)
   return total
 
 
@@ -362,10 +356,18 @@ def skip_bad_steps(
       if axis_name is not None:
         squares = jax.lax.psum(squares, axis_name)
       values["grad_norm"] = jnp.sqrt(squares)
-      # A NaN/Inf anywhere makes the sum NaN (on every shard, after the psum):
-      # the norm is the finiteness check, one pass over the gradients. +Inf is
-      # a finite step whose norm overflowed float32.
-      finite = jnp.logical_not(jnp.isnan(squares))
+      # A NaN/Inf anywhere makes the sum NaN/Inf (on every shard, after the
+      # psum): the norm is the finiteness check, one pass over the gradients.
+      # +Inf is also what finite gradients whose squares overflow float32
+      # give: only then are the gradients read again to tell the two apart,
+      # under a cond ('cond' mode), or with 'select' (GPUs, where a conditional
+      # sends its predicate to the host) as a second reduction over the same
+      # buffers, which XLA can fuse with the norm's.
+      exact = lambda: tree_utils.all_finite(grads, axis_name)
+      if conditional_step.resolve_skip_mode(skip_mode) == "cond":
+        finite = jax.lax.cond(jnp.isinf(squares), exact, lambda: jnp.isfinite(squares))
+      else:
+        finite = jnp.where(jnp.isinf(squares), exact(), jnp.isfinite(squares))
     else:
       finite = tree_utils.all_finite(grads, axis_name)
     if "loss" in monitors:
