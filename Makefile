@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-EXTRAS ?= dev,flax,bench
+EXTRAS ?= dev,flax,bench,equinox
 
-.PHONY: install test lint demo bench bench-quick clean
+.PHONY: install test lint demo bench bench-quick clean docs dist-check
 .PHONY: test-compat test-lowest test-py312 test-py313 constraints-lowest
 
 $(STAMP): pyproject.toml constraints.txt
@@ -35,6 +35,36 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/python -m benchmarks.run --quick
 
+# The documentation site, into docs/_build/html: every warning is an error and
+# every reference must resolve (nitpicky). The notebooks are executed, so their
+# pages show outputs and plots; NB_EXECUTION_MODE=off skips that (the test
+# suite executes them anyway).
+DOCS_STAMP := $(VENV)/.docs-stamp
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[$(EXTRAS),docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
+
+# Builds the wheel and the sdist (hatchling pinned by constraints.txt), checks
+# their metadata and contents, installs the wheel into a fresh environment of
+# its own (the runtime dependencies only) and imports the package from there.
+DIST_DEPS := build twine
+DIST_VENV := .venv-dist
+$(VENV)/.dist-stamp: $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt $(DIST_DEPS)
+	touch $@
+
+dist-check: $(VENV)/.dist-stamp
+	rm -rf dist $(DIST_VENV)
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/python -m build --outdir dist
+	$(BIN)/twine check --strict dist/*
+	$(BIN)/python .ci/check_dist.py dist
+	$(PYTHON) -m venv $(DIST_VENV)
+	$(DIST_VENV)/bin/python -m pip install --quiet -c constraints.txt dist/*.whl
+	cd dist && ../$(DIST_VENV)/bin/python -I ../.ci/check_dist.py --import
+
 # The other ends of the supported range, each in a virtual environment of its
 # own; `.ci/run` runs them after `make test` (the pinned set on Python 3.11).
 # On the lowest versions: the whole suite but what needs the pinned set: the
@@ -50,7 +80,7 @@ LOWEST_IGNORE := $(addprefix --ignore=tests/,test_notebooks.py test_demo.py \
 PY_TESTS := tests/test_loss_scale.py tests/test_optimizer.py tests/test_apply_gradients.py \
   tests/test_skip_bad_steps.py tests/test_grad.py tests/test_tree_utils.py \
   tests/test_overflow_guard.py tests/test_guard_outputs.py optax_lossscale
-TEST_DEPS := pytest pytest-xdist hypothesis jmp
+TEST_DEPS := pytest pytest-xdist hypothesis jmp chex
 LOWEST := .venv-lowest
 PY312 := .venv-py312
 PY313 := .venv-py313
@@ -96,4 +126,4 @@ constraints-lowest:
 	rm -rf .venv-freeze
 
 clean:
-	rm -rf $(VENV) $(LOWEST) $(PY312) $(PY313) build dist *.egg-info
+	rm -rf $(VENV) $(LOWEST) $(PY312) $(PY313) $(DIST_VENV) build dist *.egg-info docs/_build

@@ -1,6 +1,11 @@
-"""Pytest configuration shared by the doctests and the test suite."""
+"""Pytest configuration shared by the doctests, the documentation and the test suite."""
 
 import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent
 
 
 def _installed(name: str) -> bool:
@@ -10,8 +15,68 @@ def _installed(name: str) -> bool:
     return False
 
 
-# Flax is an optional extra: without it, skip the modules that need it instead
-# of failing to collect their doctests (their tests skip themselves).
-collect_ignore_glob = []
+# The Sphinx configuration and the built site are not tests.
+collect_ignore = ["docs/conf.py"]
+collect_ignore_glob = ["docs/_build/*"]
+# Flax and Equinox are optional extras: without them, skip the modules that
+# need them instead of failing to collect their doctests (their tests skip
+# themselves).
 if not _installed("flax"):
   collect_ignore_glob += ["optax_lossscale/flax.py", "optax_lossscale/_src/flax_*.py"]
+if not _installed("equinox"):
+  collect_ignore_glob += ["optax_lossscale/equinox.py", "optax_lossscale/_src/equinox_*.py"]
+
+# Every Python block of the Markdown documents (the README and the pages of
+# docs/, the paths pyproject.toml's testpaths name) runs, in order, in one
+# namespace per document, as a reader would run them top to bottom. A block
+# that is deliberately a fragment is preceded by an HTML comment that skips it
+# and says why: <!-- skip: next "a fragment of the step above" -->.
+DOCUMENT_PATTERNS = ("README.md", "docs/*.md", "docs/*/*.md")
+# Documents whose blocks are known not to run yet, and why: their blocks still
+# run, and report XFAIL (or XPASS) instead of failing the suite.
+NOT_YET_RUNNABLE = {
+  "README.md": (
+    "its blocks are excerpts of a train step (params, loss_fn, mesh, ... are"
+    " never defined); the README is being rewritten as the landing page (issue #20)"
+  ),
+}
+
+if _installed("sybil"):
+  import doctest
+
+  from sybil import Sybil
+  from sybil.parsers.myst import PythonCodeBlockParser, SkipParser
+
+  pytest_collect_file = Sybil(
+    parsers=[
+      PythonCodeBlockParser(doctest_optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS),
+      SkipParser(),
+    ],
+    patterns=DOCUMENT_PATTERNS,
+    excludes=["docs/_build/*"],
+  ).pytest()
+else:
+  # Without sybil (the lowest-versions environment installs only the test
+  # dependencies) each document is one skipped test, which says why.
+
+  class _NotRun(pytest.Item):
+    def runtest(self) -> None:
+      pytest.skip("sybil is not installed: the code blocks of this document are not run")
+
+  class _Document(pytest.File):
+    def collect(self) -> list[pytest.Item]:
+      return [_NotRun.from_parent(self, name="code blocks")]
+
+  def pytest_collect_file(file_path: pathlib.Path, parent: pytest.Collector) -> pytest.File | None:
+    if file_path.is_relative_to(ROOT):
+      relative = file_path.relative_to(ROOT)
+      if any(relative.match(pattern) for pattern in DOCUMENT_PATTERNS):
+        return _Document.from_parent(parent, path=file_path)
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+  for item in items:
+    relative = item.path.relative_to(ROOT).as_posix() if item.path.is_relative_to(ROOT) else ""
+    if relative in NOT_YET_RUNNABLE:
+      item.add_marker(pytest.mark.xfail(reason=NOT_YET_RUNNABLE[relative], strict=False))
