@@ -24,6 +24,7 @@ from optax_lossscale._src import (
   keras_compat,
   overflow_guard,
   overwrite,
+  params_check,
   serialization,
   tree_utils,
 )
@@ -449,6 +450,7 @@ def loss_scale_optimizer(
 
   def init_fn(params: optax.Params) -> LossScaleOptimizerState:
     composition.check_init(composition.LOSS_SCALE, init_fn, initial_ls.dynamic)
+    params_check.check_params_are_arrays(params, "loss_scale_optimizer.init")
     marked = overwrite.resolve(overwrite_with_gradient, params)
     return LossScaleOptimizerState(
       inner_state=inner.init(overwrite.exclude(marked, params)),
@@ -476,6 +478,8 @@ def loss_scale_optimizer(
     marked = overwrite.resolve(overwrite_with_gradient, grads)
     composition.check_update(composition.LOSS_SCALE, update_fn, writes_values=marked is not None)
     _check_float_grads(grads)
+    if params is not None:
+      params_check.check_params_are_arrays(params, "loss_scale_optimizer.update")
     ls = state.loss_scale
     conditional = functools.partial(
       conditional_step.apply_inner_if,

@@ -37,6 +37,7 @@ from optax_lossscale._src import (
   conditional_step,
   overflow_guard,
   overwrite,
+  params_check,
   skip_guard,
   tree_utils,
   validation,
@@ -321,6 +322,7 @@ def skip_bad_steps(
 
   def init_fn(params: optax.Params) -> SkipBadStepsState:
     composition.check_init(composition.SKIP, init_fn)
+    params_check.check_params_are_arrays(params, "skip_bad_steps.init")
     marked = overwrite.resolve(overwrite_with_gradient, params)
     inner_state = inner.init(overwrite.exclude(marked, params))
     zero = jnp.zeros((), jnp.int32)
@@ -403,6 +405,8 @@ def skip_bad_steps(
         f" got {type(state).__name__}. Pass this wrapper's state, opt_state ="
         " tx.init(params) with tx the skip_bad_steps transformation."
       )
+    if params is not None:
+      params_check.check_params_are_arrays(params, "skip_bad_steps.update")
     marked = overwrite.resolve(overwrite_with_gradient, grads)
     composition.check_update(
       composition.SKIP, update_fn, "grad_norm" in monitors, writes_values=marked is not None
