@@ -11,7 +11,10 @@ of 64, four times from the same initial parameters and the same batches:
 * ``apply_if_finite``: the same bad batches with ``optax.apply_if_finite``,
   which skips the NaN step but applies the spike;
 * ``skip_bad_steps``: the same bad batches with
-  ``ols.skip_bad_steps(adam, spike_threshold=6, monitor=('grad_norm', 'loss'))``.
+  ``ols.skip_bad_steps(adam, spike_threshold=6, monitor=('grad_norm', 'loss'))``;
+* ``skip_bad_steps (clip)``: the same with ``on_spike='clip'``, watching the
+  gradient norm only: the spike step is applied with its gradients scaled
+  down to the threshold norm instead of skipped.
 
 Each run is one `lax.scan` over the steps. It prints the final training loss
 (float32, full training set) and test accuracy of each run, and which steps
@@ -42,7 +45,8 @@ NAN_STEP = 220
 SPIKE_FACTOR = 100.0
 LEARNING_RATE = 3e-3
 GUARD = {"spike_threshold": 6.0, "monitor": ("grad_norm", "loss"), "warmup_steps": 50}
-RUNS = ("clean", "no guard", "apply_if_finite", "skip_bad_steps")
+CLIP_GUARD = {"spike_threshold": 6.0, "warmup_steps": 50, "on_spike": "clip"}
+RUNS = ("clean", "no guard", "apply_if_finite", "skip_bad_steps", "skip_bad_steps (clip)")
 
 
 @dataclasses.dataclass
@@ -55,6 +59,7 @@ class RunResult:
   test_accuracy: float
   nonfinite_skips: list[int]  # steps skipped for NaN/Inf (by apply_if_finite or the guard)
   spike_skips: list[int]  # steps skipped as spikes (the guard only)
+  spike_clips: list[int] = dataclasses.field(default_factory=list)  # steps clipped (clip run)
 
 
 def load_batches(steps: int, seed: int) -> tuple[np.ndarray, ...]:
@@ -106,30 +111,42 @@ def make_optimizer(name: str) -> optax.GradientTransformation:
     return optax.apply_if_finite(adam, max_consecutive_errors=10)
   if name == "skip_bad_steps":
     return ols.skip_bad_steps(adam, **GUARD)
+  if name == "skip_bad_steps (clip)":
+    return ols.skip_bad_steps(adam, **CLIP_GUARD)
   return adam
 
 
-def train(name: str, params: Any, batch_x: np.ndarray, batch_y: np.ndarray) -> tuple[Any, ...]:
-  """The whole run as one scan; returns final params, per-step losses and skip flags."""
-  tx = make_optimizer(name)
+def train(
+  name: str,
+  params: Any,
+  batch_x: np.ndarray,
+  batch_y: np.ndarray,
+  tx: optax.GradientTransformation | None = None,
+) -> tuple[Any, ...]:
+  """The whole run as one scan: final params, per-step losses, skip and clip counters.
+
+  `tx` replaces the run's optimizer (`make_optimizer(name)`).
+  """
+  tx = tx or make_optimizer(name)
+  zero = jnp.zeros((), jnp.int32)
 
   def step(carry: Any, batch: Any) -> tuple[Any, Any]:
     params, state = carry
     x, y = batch
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
     params, state = ols.apply_gradients(tx, grads, state, params, loss=loss)
-    if name == "skip_bad_steps":
+    if isinstance(state, ols.SkipBadStepsState):
       m = ols.metrics(state)
-      flags = (m["nonfinite_skips"], m["spike_skips"])
+      flags = (m["nonfinite_skips"], m["spike_skips"], m["spike_clips"])
     elif name == "apply_if_finite":
-      flags = (state.total_notfinite, jnp.zeros((), jnp.int32))
+      flags = (state.total_notfinite, zero, zero)
     else:
-      flags = (jnp.zeros((), jnp.int32),) * 2
+      flags = (zero, zero, zero)
     return (params, state), (loss, *flags)
 
   run = jax.jit(lambda p, bx, by: jax.lax.scan(step, (p, tx.init(p)), (bx, by)))
-  (params, _), (losses, nonfinite, spikes) = run(params, jnp.asarray(batch_x), jnp.asarray(batch_y))
-  return params, np.asarray(losses), np.asarray(nonfinite), np.asarray(spikes)
+  (params, _), out = run(params, jnp.asarray(batch_x), jnp.asarray(batch_y))
+  return (params, *(np.asarray(o) for o in out))
 
 
 def _steps_where_counter_grew(counter: np.ndarray) -> list[int]:
@@ -143,7 +160,7 @@ def run_all(steps: int = STEPS, seed: int = 0) -> dict[str, RunResult]:
   results = {}
   for name in RUNS:
     bx = batch_x if name == "clean" else corrupt(batch_x)
-    params, losses, nonfinite, spikes = train(name, params0, bx, batch_y)
+    params, losses, nonfinite, spikes, clips = train(name, params0, bx, batch_y)
     final = float(loss_fn(params, jnp.asarray(train_x), jnp.asarray(train_y), jnp.float32))
     logits = jax.nn.relu(test_x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
     results[name] = RunResult(
@@ -153,6 +170,7 @@ def run_all(steps: int = STEPS, seed: int = 0) -> dict[str, RunResult]:
       test_accuracy=float(np.mean(np.argmax(np.asarray(logits), axis=1) == test_y)),
       nonfinite_skips=_steps_where_counter_grew(nonfinite),
       spike_skips=_steps_where_counter_grew(spikes),
+      spike_clips=_steps_where_counter_grew(clips),
     )
   return results
 
@@ -160,17 +178,20 @@ def run_all(steps: int = STEPS, seed: int = 0) -> dict[str, RunResult]:
 def format_table(results: dict[str, RunResult]) -> str:
   clean = results["clean"].final_loss
   lines = [
-    f"{'run':<16} {'final loss':>10} {'vs clean':>9} {'test acc':>8}  skipped (step: reason)",
-    "-" * 78,
+    f"{'run':<22} {'final loss':>10} {'vs clean':>9} {'test acc':>8}"
+    "  skipped or clipped (step: reason)",
+    "-" * 88,
   ]
   for r in results.values():
     rel = r.final_loss / clean - 1 if np.isfinite(r.final_loss) else float("nan")
     skipped = sorted(
-      [(s, "nan/inf") for s in r.nonfinite_skips] + [(s, "spike") for s in r.spike_skips]
+      [(s, "nan/inf") for s in r.nonfinite_skips]
+      + [(s, "spike") for s in r.spike_skips]
+      + [(s, "spike clipped") for s in r.spike_clips]
     )
     skips = ", ".join(f"{s}: {why}" for s, why in skipped) or "none"
     lines.append(
-      f"{r.name:<16} {r.final_loss:>10.4f} {rel:>+9.1%} {r.test_accuracy:>8.1%}  {skips}"
+      f"{r.name:<22} {r.final_loss:>10.4f} {rel:>+9.1%} {r.test_accuracy:>8.1%}  {skips}"
     )
   return "\n".join(lines)
 
@@ -182,7 +203,13 @@ def plot(results: dict[str, RunResult], path: pathlib.Path) -> None:
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(9, 4.5))
-  styles = {"no guard": "C3-", "apply_if_finite": "C1-", "clean": "k-", "skip_bad_steps": "C0-"}
+  styles = {
+    "no guard": "C3-",
+    "apply_if_finite": "C1-",
+    "clean": "k-",
+    "skip_bad_steps": "C0-",
+    "skip_bad_steps (clip)": "C4-",
+  }
   for name, style in styles.items():
     ax.plot(results[name].losses, style, lw=1.0, alpha=0.85, label=name)
   unguarded = np.asarray(results["no guard"].losses)

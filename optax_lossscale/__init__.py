@@ -16,6 +16,7 @@ from optax_lossscale._src.optimizer import (
   loss_scale_optimizer,
 )
 from optax_lossscale._src.overflow_guard import OverflowGuardError
+from optax_lossscale._src.retry import retry_on_overflow
 from optax_lossscale._src.scale_advisor import ScaleAdvice, suggest_loss_scale
 from optax_lossscale._src.serialization import deserialize, get, serialize
 from optax_lossscale._src.skip_bad_steps import SkipBadSteps, SkipBadStepsState, skip_bad_steps
@@ -26,6 +27,7 @@ from optax_lossscale._src.state_access import (
   get_unscaled_gradients,
   metrics,
 )
+from optax_lossscale._src.state_conversion import convert_state
 from optax_lossscale._src.tree_utils import all_finite, select_tree
 
 __version__ = "0.1.0"
@@ -46,6 +48,7 @@ __all__ = (
   "all_finite",
   "apply_gradients",
   "check_composition",
+  "convert_state",
   "deserialize",
   "format_gradient_report",
   "get",
@@ -55,6 +58,7 @@ __all__ = (
   "gradient_report",
   "loss_scale_optimizer",
   "metrics",
+  "retry_on_overflow",
   "select_tree",
   "serialize",
   "skip_bad_steps",

@@ -12,12 +12,19 @@ from optax_lossscale._src.flax_checkpoint import (
   restore_checkpoint,
   save_checkpoint,
 )
-from optax_lossscale._src.flax_nnx import nnx_value_and_grad
-from optax_lossscale._src.flax_train_state import TrainState
+from optax_lossscale._src.flax_nnx import (
+  nnx_convert_optimizer,
+  nnx_retry_on_overflow,
+  nnx_value_and_grad,
+)
+from optax_lossscale._src.flax_train_state import TrainState, convert_train_state
 
 __all__ = (
   "TrainState",
   "check_loss_scale_kind",
+  "convert_train_state",
+  "nnx_convert_optimizer",
+  "nnx_retry_on_overflow",
   "nnx_value_and_grad",
   "register_loss_scale_serialization",
   "restore_checkpoint",

@@ -130,6 +130,8 @@ def test_orbax_helpers_resume_exactly_with_readable_keys(tmp_path, at_checkpoint
     "consecutive_skips",
     "total_skips",
     "nonfinite_leaves",  # None unless record_nonfinite_leaves=True
+    "retries",
+    "total_retries",
   }
   assert set(tree["opt_state"]["loss_scale"]) == {"loss_scale", "counter", "hysteresis_tracker"}
   _assert_resumed_exactly(

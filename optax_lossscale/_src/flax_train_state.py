@@ -20,6 +20,7 @@ checkpoints or log lines by call, use `state.step + metrics(state)['total_skips'
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from typing import Any
 
 from flax.training import train_state
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale._src import conditional_step, state_access
+from optax_lossscale._src import conditional_step, state_access, state_conversion
 from optax_lossscale._src import loss_scale as loss_scale_lib
 
 # Flax's fp8 marker (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT): those
@@ -95,22 +96,27 @@ class TrainState(train_state.TrainState):
 
     Args:
       grads: gradients of the **scaled** loss, with the structure of `params`.
-      **kwargs: other fields to `.replace()`, as in Flax's `TrainState`.
+      **kwargs: the names of fields of this state (`batch_stats`, ...) are
+        replaced, as in Flax's `TrainState`; any other name is passed on to
+        the transformation as an extra argument, e.g. `loss=loss` for
+        `skip_bad_steps(..., monitor=("grad_norm", "loss"))`.
 
     Returns:
       The next state. On an applied step `params` and `opt_state` are updated
       and `step` advances by one; on a skipped step only the loss scale and
       the skip counters in `opt_state` change.
     """
+    fields = {f.name for f in dataclasses.fields(self)}
+    extra_args = {k: kwargs.pop(k) for k in list(kwargs) if k not in fields}
     fused = conditional_step.fused_apply_gradients(self.tx)
     if _holds_overwrite_collection(grads):
       _check_writes_overwrite_leaves(self.tx)
     if fused is not None:
       # The wrapper is the whole tx: update and apply inside its one branch.
-      params, opt_state = fused(grads, self.opt_state, self.params)
+      params, opt_state = fused(grads, self.opt_state, self.params, **extra_args)
       applied = state_access.step_applied(opt_state)
     else:
-      updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+      updates, opt_state = self.tx.update(grads, self.opt_state, self.params, **extra_args)
       applied = state_access.step_applied(opt_state)
       params = jax.lax.cond(
         applied,
@@ -157,3 +163,59 @@ class TrainState(train_state.TrainState):
     # An array from the start: the same dtype before and after a checkpoint,
     # and no retrace when the first jitted step turns a Python 0 into an array.
     return state.replace(step=jnp.zeros((), jnp.int32))
+
+
+def convert_train_state(
+  state: train_state.TrainState, tx: optax.GradientTransformation
+) -> train_state.TrainState:
+  """`state` continued under `tx`, with the guards switched on or off.
+
+  Carries over `step`, `params`, `apply_fn`, the other fields and the inner
+  optimizer's state bit for bit (`ols.convert_state`). If `tx` contains a
+  `loss_scale_optimizer` or `skip_bad_steps`, the result is this module's
+  `TrainState` (a Flax `TrainState` of a bare run can be switched over);
+  otherwise Flax's own `TrainState`.
+
+  Args:
+    state: a Flax `TrainState` or this module's.
+    tx: the transformation to continue with.
+
+  Returns:
+    The `TrainState` for `tx`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from flax.training import train_state
+    >>> import optax_lossscale as ols
+    >>> from optax_lossscale.flax import convert_train_state
+    >>> bare = optax.adam(1e-3)
+    >>> state = train_state.TrainState.create(apply_fn=None, params={'w': jnp.ones(2)}, tx=bare)
+    >>> guarded = convert_train_state(state, ols.skip_bad_steps(bare))
+    >>> type(guarded).__name__, int(guarded.opt_state.inner_state[0].count)
+    ('TrainState', 0)
+    >>> type(convert_train_state(guarded, bare)) is train_state.TrainState
+    True
+  """
+  fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+  fields.update(tx=tx, opt_state=state_conversion.convert_state(tx, state.opt_state, state.params))
+  if conditional_step.settings_of(tx) is None and not _has_wrapper(fields["opt_state"]):
+    base = {f.name for f in dataclasses.fields(train_state.TrainState)}
+    extra = sorted(set(fields) - base)
+    if extra:
+      raise ValueError(
+        f"Flax's TrainState has no fields {extra}; subclass it to carry them and"
+        " build it from the converted opt_state: ols.convert_state(tx, state.opt_state,"
+        " state.params)."
+      )
+    return train_state.TrainState(**fields)
+  fields["step"] = jnp.asarray(fields["step"], jnp.int32)
+  cls = type(state) if isinstance(state, TrainState) else TrainState
+  return cls(**fields)
+
+
+def _has_wrapper(opt_state: Any) -> bool:
+  try:
+    state_access.step_applied(opt_state)
+  except ValueError:
+    return False
+  return True

@@ -47,6 +47,9 @@ class LossScaleOptimizerState(NamedTuple):
     nonfinite_leaves: None, or with `record_nonfinite_leaves=True` a tree
       shaped like the parameters holding one bool scalar per leaf: whether
       that leaf's gradient held NaN/Inf on the last skipped step.
+    retries: int32 scalar, backward passes redone at a lower scale on the
+      last step by `retry_on_overflow` (0 without it).
+    total_retries: int32 scalar, the same since `init`.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -66,6 +69,8 @@ class LossScaleOptimizerState(NamedTuple):
   consecutive_skips: jax.Array
   total_skips: jax.Array
   nonfinite_leaves: Any = None
+  retries: jax.Array | None = None
+  total_retries: jax.Array | None = None
 
 
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
@@ -462,6 +467,8 @@ def loss_scale_optimizer(
       nonfinite_leaves=(
         overflow_guard.init_nonfinite_leaves(params) if record_nonfinite_leaves else None
       ),
+      retries=jnp.zeros((), jnp.int32),
+      total_retries=jnp.zeros((), jnp.int32),
     )
 
   composition.register_init(init_fn, composition.LOSS_SCALE)
@@ -521,7 +528,7 @@ def loss_scale_optimizer(
       nonfinite_leaves = overflow_guard.update_nonfinite_leaves(
         nonfinite_leaves, checked, should_apply, axis_name
       )
-    new_state = LossScaleOptimizerState(
+    new_state = state._replace(
       inner_state=inner_state,
       loss_scale=new_ls,
       last_step_applied=should_apply,

@@ -11,6 +11,10 @@ non-finite step or of one bad batch. Per update:
   if spike and the spike streak already reached max_consecutive_spike_skips:
     on_spike_streak='accept': apply the step and re-base the statistic on x
     on_spike_streak='raise':  skip the step and raise OverflowGuardError
+  elif spike: on_spike='skip': skip the step
+              on_spike='clip': a norm spike is applied with grads * T / norm,
+                               T = exp(mean + spike_threshold * std) (a loss
+                               spike is still skipped); it feeds no statistic
   apply = finite and not (a skipped spike)
   inner runs only if apply (lax.cond); the statistic is fed only applied steps
 
@@ -45,7 +49,14 @@ from optax_lossscale._src import (
 from optax_lossscale._src import spike_statistic as stat_lib
 
 MONITORS = ("grad_norm", "loss")
+_ON_SPIKE = ("skip", "clip")
 _ON_SPIKE_STREAK = ("accept", "raise")
+# What a clipped step feeds the gradient-norm statistic: its norm after clipping
+# ("clipped", the threshold, as ZClip does), its norm before ("raw"), or nothing
+# ("none"). Measured in benchmarks/spike_clipping.py (BENCHMARKS.md, "Clipping
+# spikes"): with recurring bad batches, feeding the threshold or the raw norm
+# raised the threshold until later spikes went through; nothing kept it.
+_CLIPPED_FEEDS = "none"
 
 
 class SkipBadStepsState(NamedTuple):
@@ -60,10 +71,13 @@ class SkipBadStepsState(NamedTuple):
     total_skips: int32 scalar, skipped updates since `init`.
     nonfinite_skips: int32 scalar, updates skipped for NaN/Inf.
     spike_skips: int32 scalar, updates skipped as spikes.
-    consecutive_spike_skips: int32 scalar, the current streak of spike skips
-      (non-finite steps inside it neither extend nor end it).
+    consecutive_spike_skips: int32 scalar, the current streak of spikes,
+      skipped or (with `on_spike='clip'`) clipped; non-finite steps inside it
+      neither extend nor end it.
     spike_rebases: int32 scalar, spike streaks ended by accepting the step
       and re-basing the statistic (`on_spike_streak='accept'`).
+    spike_clips: int32 scalar, gradient-norm spikes applied with their
+      gradients scaled down to the threshold norm (`on_spike='clip'`).
     grad_norm: the `RunningStatistic` of the log global gradient norm, or None
       when the norm is not watched.
     loss: the `RunningStatistic` of the loss, or None when it is not watched.
@@ -86,6 +100,7 @@ class SkipBadStepsState(NamedTuple):
   spike_skips: jax.Array
   consecutive_spike_skips: jax.Array
   spike_rebases: jax.Array
+  spike_clips: jax.Array
   grad_norm: stat_lib.RunningStatistic | None = None
   loss: stat_lib.RunningStatistic | None = None
 
@@ -149,6 +164,7 @@ def skip_bad_steps(
   ema_decay: float = 0.99,
   min_std: float = 0.05,
   max_consecutive_spike_skips: int = 10,
+  on_spike: Literal["skip", "clip"] = "skip",
   on_spike_streak: Literal["accept", "raise"] = "accept",
   max_consecutive_skips: int | None = None,
   skip_mode: conditional_step.SkipMode = "auto",
@@ -213,7 +229,18 @@ def skip_bad_steps(
     ema_decay: the moving averages' decay, in [0, 1); about `1/(1-decay)`
       steps of memory. The first steps average exactly.
     min_std: the floor on the standard deviation (>= 0).
-    max_consecutive_spike_skips: spike skips tolerated in a row (>= 1).
+    max_consecutive_spike_skips: spikes (skipped or clipped) tolerated in a
+      row (>= 1).
+    on_spike: `'skip'` (default) skips a spiking step; `'clip'` applies a
+      gradient-norm spike with its gradients scaled down to the threshold
+      norm `exp(mean + spike_threshold * std)` of the running statistic of
+      the log-norm, as ZClip does. Unlike ZClip, a clipped step feeds the
+      statistic nothing, as a skipped one: feeding it the clipped norm let
+      recurring bad batches raise the threshold until they went through
+      (BENCHMARKS.md, "Clipping spikes"); a real change of regime ends as a
+      streak of spikes does. A loss spike is still skipped. Needs
+      `'grad_norm'` in `monitor`. `metrics` counts these steps as
+      `spike_clips`.
     on_spike_streak: `'accept'` or `'raise'`: what the next spike does.
     max_consecutive_skips: if set (>= 1), a skipped step that makes the streak
       of skips (any reason) longer than this raises `OverflowGuardError`.
@@ -298,6 +325,14 @@ def skip_bad_steps(
     low=1,
     accepted="an integer >= 1",
   )
+  if on_spike not in _ON_SPIKE:
+    raise ValueError(f"on_spike must be one of {_ON_SPIKE}; got {on_spike!r}.")
+  if on_spike == "clip" and "grad_norm" not in monitors:
+    raise ValueError(
+      "on_spike='clip' scales the gradients down to the threshold norm, so it needs"
+      " spike_threshold set and 'grad_norm' in monitor; got"
+      f" spike_threshold={spike_threshold!r}, monitor={monitor!r}."
+    )
   if on_spike_streak not in _ON_SPIKE_STREAK:
     raise ValueError(f"on_spike_streak must be one of {_ON_SPIKE_STREAK}; got {on_spike_streak!r}.")
   max_consecutive_skips = overflow_guard.check_max_consecutive_skips(max_consecutive_skips)
@@ -311,6 +346,7 @@ def skip_bad_steps(
     "ema_decay": ema_decay,
     "min_std": min_std,
     "max_consecutive_spike_skips": max_consecutive_spike_skips,
+    "on_spike": on_spike,
     "on_spike_streak": on_spike_streak,
     "max_consecutive_skips": max_consecutive_skips,
     "skip_mode": skip_mode,
@@ -335,6 +371,7 @@ def skip_bad_steps(
       spike_skips=zero,
       consecutive_spike_skips=zero,
       spike_rebases=zero,
+      spike_clips=zero,
       grad_norm=stat_lib.init() if "grad_norm" in monitors else None,
       loss=stat_lib.init() if "loss" in monitors else None,
     )
@@ -375,8 +412,11 @@ def skip_bad_steps(
     if "loss" in monitors:
       if loss is None:
         raise ValueError(
-          "skip_bad_steps(monitor=...'loss'...) needs the loss: call"
-          " tx.update(grads, state, params, loss=loss)."
+          "skip_bad_steps(monitor=...'loss'...) needs the loss of every step: pass it as"
+          " loss=loss to tx.update(grads, state, params, loss=loss),"
+          " ols.apply_gradients(tx, grads, state, params, loss=loss),"
+          " TrainState.apply_gradients(grads=grads, loss=loss) or"
+          " nnx.Optimizer.update(model, grads, loss=loss)."
         )
       loss = jnp.asarray(loss)
       if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -423,7 +463,18 @@ def skip_bad_steps(
     spike = functools.reduce(jnp.logical_or, spiked.values(), jnp.asarray(False)) & finite
     streak_over = spike & (state.consecutive_spike_skips >= max_consecutive_spike_skips)
     rebase = streak_over if on_spike_streak == "accept" else jnp.asarray(False)
-    spike_skip = spike & ~rebase
+    handled = spike & ~rebase
+    clipped, prepare, threshold = jnp.asarray(False), None, None
+    if on_spike == "clip":
+      # A norm spike (not a loss spike, nor a norm that overflowed float32,
+      # which has no finite size to clip from) is applied with the gradients
+      # scaled down to the threshold norm.
+      threshold = stat_lib.threshold(stats["grad_norm"], spike_threshold, min_std, relative=False)
+      norm_spike = spiked["grad_norm"] & jnp.isfinite(xs["grad_norm"])
+      clipped = handled & norm_spike & ~spiked.get("loss", jnp.asarray(False))
+      factor = jnp.where(clipped, jnp.exp(threshold - xs["grad_norm"]), 1.0)
+      prepare = lambda g: tree_utils.map_inexact(lambda x: x * factor.astype(x.dtype), g)
+    spike_skip = handled & ~clipped
     should_apply = finite & ~spike_skip
 
     out, inner_state = conditional_step.apply_inner_if(
@@ -435,19 +486,27 @@ def skip_bad_steps(
       extra_args,
       skip_mode=skip_mode,
       apply_to_params=apply_to_params,
+      prepare=prepare,
       marked=marked,
     )
 
     new_stats = {}
     for n in monitors:
+      x = xs[n]
+      feeds = should_apply
+      if n == "grad_norm" and on_spike == "clip":
+        if _CLIPPED_FEEDS == "clipped":
+          x = jnp.where(clipped, threshold, x)
+        elif _CLIPPED_FEEDS == "none":
+          feeds = feeds & ~clipped
       fed = jax.tree.map(
         functools.partial(jnp.where, spiked[n] & rebase),
-        stat_lib.rebase(stats[n], xs[n]),
-        stat_lib.accumulate(stats[n], xs[n], ema_decay),
+        stat_lib.rebase(stats[n], x),
+        stat_lib.accumulate(stats[n], x, ema_decay),
       )
       # A zero norm (log -inf) says nothing about the scale of the next one and
       # would poison the mean: it is applied but does not feed the statistic.
-      feeds = should_apply & jnp.isfinite(xs[n])
+      feeds = feeds & jnp.isfinite(x)
       kept = jax.tree.map(functools.partial(jnp.where, feeds), fed, stats[n])
       new_stats[n] = kept._replace(last=values[n])
 
@@ -463,9 +522,10 @@ def skip_bad_steps(
       nonfinite_skips=state.nonfinite_skips + as_int(~finite),
       spike_skips=state.spike_skips + as_int(spike_skip),
       consecutive_spike_skips=jnp.where(
-        spike_skip, spike_streak + 1, jnp.where(should_apply, 0, spike_streak)
+        handled, spike_streak + 1, jnp.where(should_apply, 0, spike_streak)
       ).astype(jnp.int32),
       spike_rebases=state.spike_rebases + as_int(rebase),
+      spike_clips=state.spike_clips + as_int(clipped),
       grad_norm=new_stats.get("grad_norm"),
       loss=new_stats.get("loss"),
     )

@@ -57,6 +57,12 @@ def zscore(stat: RunningStatistic, x: jax.Array, min_std: float, relative: bool)
   return jnp.where(std > 0, (x - stat.mean) / jnp.where(std > 0, std, 1.0), 0.0)
 
 
+def threshold(stat: RunningStatistic, z: float, min_std: float, relative: bool) -> jax.Array:
+  """The value whose z-score is `z`: where spikes start (`mean + z * floored std`)."""
+  floor = min_std * jnp.abs(stat.mean) if relative else jnp.float32(min_std)
+  return stat.mean + jnp.float32(z) * jnp.maximum(jnp.sqrt(stat.var), floor)
+
+
 def accumulate(stat: RunningStatistic, x: jax.Array, decay: float) -> RunningStatistic:
   """The statistic after feeding it `x` (see the module docstring)."""
   count = stat.count + 1

@@ -64,6 +64,8 @@ def _plain(state: LossScaleOptimizerState) -> LossScaleOptimizerState:
     last_step_applied=_unwrap(state.last_step_applied),
     consecutive_skips=_unwrap(state.consecutive_skips),
     total_skips=_unwrap(state.total_skips),
+    retries=_unwrap(state.retries),
+    total_retries=_unwrap(state.total_retries),
   )
 
 
@@ -352,6 +354,7 @@ def _skip_metrics(state: SkipBadStepsState) -> dict[str, Any]:
     "spike_skips": state.spike_skips,
     "consecutive_spike_skips": state.consecutive_spike_skips,
     "spike_rebases": state.spike_rebases,
+    "spike_clips": state.spike_clips,
   }
   if state.grad_norm is not None:
     stat = state.grad_norm
@@ -369,14 +372,15 @@ def metrics(opt_state: Any) -> dict[str, Any]:
   """Returns scalars to log: the scale, the skip counters and the spike statistic.
 
   For a `loss_scale_optimizer`: `loss_scale` (float32), `last_step_applied`
-  (bool), `consecutive_skips` and `total_skips` (int32). With
+  (bool), `consecutive_skips`, `total_skips`, `retries` (backward passes redone
+  on the last step by `retry_on_overflow`) and `total_retries` (int32). With
   `record_nonfinite_leaves=True` there is one more key, `nonfinite_leaves`:
   a dict from each parameter leaf's path (`jax.tree_util.keystr`) to a bool
   scalar, True if that leaf's gradient held NaN/Inf on the last skipped step.
 
   For `skip_bad_steps`: `last_step_applied`, `consecutive_skips`,
   `total_skips`, the skips by reason `nonfinite_skips` and `spike_skips`,
-  `consecutive_spike_skips`, `spike_rebases`, and for each watched quantity
+  `consecutive_spike_skips`, `spike_rebases`, `spike_clips`, and for each watched quantity
   its last value and statistic: `grad_norm`, `grad_norm_mean` (the running
   geometric mean) and `grad_norm_log_std`; `loss`, `loss_mean`, `loss_std`.
 
@@ -399,8 +403,9 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     >>> import jax.numpy as jnp, optax
     >>> import optax_lossscale as ols
     >>> state = ols.loss_scale_optimizer(optax.sgd(1.0)).init(jnp.ones(2))
-    >>> sorted(ols.metrics(state))
-    ['consecutive_skips', 'last_step_applied', 'loss_scale', 'total_skips']
+    >>> sorted(ols.metrics(state))  # doctest: +NORMALIZE_WHITESPACE
+    ['consecutive_skips', 'last_step_applied', 'loss_scale', 'retries',
+     'total_retries', 'total_skips']
   """
   skip_state = find_skip_state(opt_state)
   if skip_state is not None and not _search(opt_state, LossScaleOptimizerState):
@@ -422,6 +427,9 @@ def metrics(opt_state: Any) -> dict[str, Any]:
     "consecutive_skips": state.consecutive_skips,
     "total_skips": state.total_skips,
   }
+  if state.retries is not None:  # None in states built before retries were counted
+    out["retries"] = state.retries
+    out["total_retries"] = state.total_retries
   if state.nonfinite_leaves is not None:
     flat = jax.tree_util.tree_flatten_with_path(state.nonfinite_leaves)[0]
     out["nonfinite_leaves"] = {jax.tree_util.keystr(p) or "<root>": flag for p, flag in flat}
