@@ -17,6 +17,10 @@ documents it, so the comparison measures the recipe, not our rewrite of it:
 * `ols_*`: `optax_lossscale.loss_scale_optimizer` with a given `skip_mode`,
   stepped as optax documents (`update`, then `optax.apply_updates`) or with
   `optax_lossscale.apply_gradients`, which applies inside the skip branch.
+* `ols_retry`: `ols.apply_gradients` fed by `ols.retry_on_overflow`, which
+  retries an overflow on the same batch inside the step (full train steps
+  only: it recomputes the backward pass); on finite steps its cost over
+  `ols apply_gradients` is the loop's finiteness check.
 * `jmp_recipe`: jmp's README recipe: scale the loss, unscale the gradients,
   `jmp.all_finite`, `adjust`, then `jmp.select_tree` over params and state,
   with the loss scale carried through `jit` as its two arrays and
@@ -66,6 +70,10 @@ def _scaled_grads(
   if loss_fn is workloads.GIVEN_GRADIENTS:
     return batch["scaled"]
   return jax.grad(lambda p: scale_loss(loss_fn(p, batch)))(params)
+
+
+class NotApplicable(Exception):
+  """The recipe does not apply to the workload (the runner skips it)."""
 
 
 class Recipe(NamedTuple):
@@ -134,6 +142,19 @@ def optax_lossscale(
       return ols.apply_gradients(opt, grads, state, params)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
+  return Recipe(opt.init, step)
+
+
+def ols_retry(tx: optax.GradientTransformation, loss_fn: LossFn) -> Recipe:
+  if loss_fn is workloads.GIVEN_GRADIENTS:
+    raise NotApplicable("retry_on_overflow recomputes the backward pass: needs a loss function")
+  opt = ols.loss_scale_optimizer(tx, skip_mode="auto")
+  retrying = ols.retry_on_overflow(ols.value_and_grad(loss_fn), max_retries=8)
+
+  def step(params, state, batch):
+    _, grads, state = retrying(state, params, batch)
+    return ols.apply_gradients(opt, grads, state, params)
 
   return Recipe(opt.init, step)
 
@@ -246,6 +267,7 @@ VARIANTS: dict[str, Callable[[optax.GradientTransformation, LossFn], Recipe]] = 
   "ols apply_gradients (select)": functools.partial(
     optax_lossscale, skip_mode="select", fused=True
   ),
+  "ols apply_gradients + retry": ols_retry,
   "jmp (arrays carried through jit)": jmp_recipe,
   "jmp (object carried through jit)": jmp_object_recipe,
   "flax DynamicScale": flax_recipe,

@@ -138,6 +138,8 @@ def measure(
       except ImportError as e:  # jmp or flax missing where the benchmark runs
         print(f"skipping {name}: {e}", flush=True)
         continue
+      except recipes.NotApplicable:  # e.g. retry on given gradients
+        continue
     # In the skipped-step workload every variant but the two references gets
     # the poisoned gradients; they run the taken step it is compared to.
     batch = workload.batch

@@ -12,6 +12,9 @@ download) in three settings, all from the same initial parameters:
   the loss is multiplied by the scale before differentiation and the
   gradients are divided by it (in float32) before Adam sees them; steps whose
   gradients overflow are skipped and the scale backs off.
+* ``float16 + scaling + retry``: the same, with ``ols.retry_on_overflow``:
+  an overflowing step is recomputed on the same batch at a backed-off scale
+  instead of skipped, so no batch is lost.
 
 The objective is the summed cross-entropy divided by ``LOSS_NORMALIZER = 2**20``,
 about a million: the number of tokens a language-model batch averages over.
@@ -69,12 +72,14 @@ class Setting:
   name: str
   compute_dtype: Any
   loss_scaling: bool
+  retry: bool = False  # retry an overflow on the same batch (ols.retry_on_overflow)
 
 
 SETTINGS = (
   Setting("float32", jnp.float32, loss_scaling=False),
   Setting("float16", jnp.float16, loss_scaling=False),
   Setting("float16 + loss scaling", jnp.float16, loss_scaling=True),
+  Setting("float16 + scaling + retry", jnp.float16, loss_scaling=True, retry=True),
 )
 
 
@@ -85,7 +90,8 @@ class RunResult:
   name: str
   losses: list[float]  # mean train cross-entropy (float32) before each step
   loss_scales: list[float]  # loss scale used at each step (1 without scaling)
-  skipped_steps: list[int]  # steps whose update was skipped (overflow)
+  skipped_steps: list[int]  # steps whose update was skipped (overflow): batches lost
+  retries: int  # backward passes redone at a lower scale (retry_on_overflow)
   underflow: list[float] | None  # per-step fraction of gradient values lost
   final_loss: float
   test_accuracy: float
@@ -175,7 +181,11 @@ def make_train_step(setting: Setting, tx: optax.GradientTransformation, data: Da
 
   @jax.jit
   def train_step(params: Params, opt_state: Any) -> tuple[Params, Any, dict[str, jax.Array]]:
-    if setting.loss_scaling:
+    if setting.retry:
+      retrying = ols.retry_on_overflow(ols.value_and_grad(objective), max_retries=8)
+      _, grads, opt_state = retrying(opt_state, params, x, y, dtype)
+      scale = ols.get_loss_scale(opt_state)()  # the scale the gradients were computed at
+    elif setting.loss_scaling:
       scale = ols.get_loss_scale(opt_state)()
       grads = jax.grad(lambda p: ols.get_scaled_loss(objective(p, x, y, dtype), opt_state))(params)
     else:
@@ -184,7 +194,9 @@ def make_train_step(setting: Setting, tx: optax.GradientTransformation, data: Da
     reference = jax.grad(objective)(params, x, y, jnp.float32)
     updates, opt_state = tx.update(grads, opt_state, params)
     applied = ols.metrics(opt_state)["last_step_applied"] if setting.loss_scaling else True
+    retries = ols.metrics(opt_state)["retries"] if setting.loss_scaling else 0
     record = {
+      "retries": jnp.asarray(retries),
       "loss": cross_entropy(params, x, y, jnp.float32),
       "loss_scale": scale,
       "applied": jnp.asarray(applied),
@@ -219,6 +231,7 @@ def train(setting: Setting, data: Data, steps: int, seed: int, progress: Any) ->
     losses=history["loss"].tolist(),
     loss_scales=history["loss_scale"].tolist(),
     skipped_steps=np.flatnonzero(~history["applied"]).tolist(),
+    retries=int(np.sum(history["retries"])),
     underflow=history["underflow"].tolist() if has_fp16 else None,
     final_loss=float(cross_entropy(params, data.train_x, data.train_y, jnp.float32)),
     test_accuracy=accuracy(params, data.test_x, data.test_y, setting.compute_dtype),
@@ -237,15 +250,16 @@ def format_scale(scale: float) -> str:
 def format_table(results: Sequence[RunResult]) -> str:
   """The summary table, one row per setting."""
   header = (
-    f"{'setting':<24} {'final loss':>10} {'test acc':>9} {'skipped':>8}"
+    f"{'setting':<26} {'final loss':>10} {'test acc':>9} {'skipped':>8} {'retries':>8}"
     f" {'final scale':>12} {'underflow':>10}"
   )
   lines = [header, "-" * len(header)]
   for r in results:
     underflow = "n/a" if r.mean_underflow is None else f"{100 * r.mean_underflow:.1f}%"
     lines.append(
-      f"{r.name:<24} {r.final_loss:>10.5f} {100 * r.test_accuracy:>8.1f}%"
-      f" {len(r.skipped_steps):>8d} {format_scale(r.final_loss_scale):>12} {underflow:>10}"
+      f"{r.name:<26} {r.final_loss:>10.5f} {100 * r.test_accuracy:>8.1f}%"
+      f" {len(r.skipped_steps):>8d} {r.retries:>8d} {format_scale(r.final_loss_scale):>12}"
+      f" {underflow:>10}"
     )
   return "\n".join(lines)
 
@@ -258,7 +272,12 @@ def plot(results: Sequence[RunResult], path: pathlib.Path) -> None:
   import matplotlib.pyplot as plt
 
   fig, (ax_loss, ax_scale, ax_under) = plt.subplots(1, 3, figsize=(15, 4.2))
-  styles = {"float32": "-", "float16": "-", "float16 + loss scaling": "--"}
+  styles = {
+    "float32": "-",
+    "float16": "-",
+    "float16 + loss scaling": "--",
+    "float16 + scaling + retry": ":",
+  }
   for r in results:
     ax_loss.plot(r.losses, styles[r.name], label=r.name)
   ax_loss.set(yscale="log", xlabel="step", ylabel="train cross-entropy", title="Loss")
@@ -270,6 +289,11 @@ def plot(results: Sequence[RunResult], path: pathlib.Path) -> None:
   ax_scale.plot(
     skipped, [scaled.loss_scales[s] for s in skipped], "rx", label=f"skipped ({len(skipped)})"
   )
+  retried = next((r for r in results if r.name == "float16 + scaling + retry"), None)
+  if retried is not None:
+    ax_scale.plot(
+      retried.loss_scales, ":", color="C3", label=f"with retry ({retried.retries} retries)"
+    )
   ax_scale.set(yscale="log", xlabel="step", ylabel="scale", title="Dynamic loss scale")
   ax_scale.set_yscale("log", base=2)
   ax_scale.legend()

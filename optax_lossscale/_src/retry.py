@@ -143,11 +143,11 @@ def retry_loop(
   last = jax.lax.while_loop(
     keep_going, again, _Carry(ls, jnp.zeros((), jnp.int32), value, grads, finite(grads))
   )
-  # A step that stays non-finite keeps the scale and the gradients it came
-  # with: the wrapper then skips it and backs off once, as without retry.
-  pick = lambda new, old: jax.tree.map(functools.partial(jnp.where, last.finite), new, old)
-  retries = jnp.where(last.finite, last.retries, 0).astype(jnp.int32)
-  return pick(last.value, value), pick(last.grads, grads), pick(last.loss_scale, ls), retries
+  # A step that stays non-finite keeps the scale it came with: the wrapper then
+  # skips it and backs off once, as without retry. Its gradients are the last
+  # pass's, non-finite either way: selecting the first pass's would cost a pass.
+  scale = jax.tree.map(functools.partial(jnp.where, last.finite), last.loss_scale, ls)
+  return last.value, last.grads, scale, last.retries
 
 
 def _backed_off(ls: Any) -> Any:
