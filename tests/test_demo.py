@@ -39,10 +39,11 @@ def test_table_prints_the_numbers_of_the_run(demo_run):
   table = demo.format_table(results)
   for result in results:
     row = next(line for line in table.splitlines() if line.startswith(result.name + "  "))
-    final_loss, accuracy, skipped, scale, underflow = row[len(result.name) :].split()
+    final_loss, accuracy, skipped, retries, scale, underflow = row[len(result.name) :].split()
     assert float(final_loss) == pytest.approx(result.final_loss, abs=1e-5)
     assert float(accuracy.rstrip("%")) == pytest.approx(100 * result.test_accuracy, abs=0.05)
     assert int(skipped) == len(result.skipped_steps)
+    assert int(retries) == result.retries
     base, _, exponent = scale.partition("^")
     scale = 2.0 ** int(exponent) if exponent else float(base)
     assert scale == result.final_loss_scale
@@ -53,7 +54,7 @@ def test_table_prints_the_numbers_of_the_run(demo_run):
 
 
 def test_unscaled_float16_loses_gradients_and_scaled_tracks_float32(demo_run):
-  _, (f32, f16, scaled) = demo_run
+  _, (f32, f16, scaled, _) = demo_run
   assert f32.underflow is None
   # Without scaling float16 flushes a real share of the gradient entries to
   # zero at every step; with the scale it keeps (almost) all of them. How much
@@ -71,14 +72,16 @@ def test_unscaled_float16_loses_gradients_and_scaled_tracks_float32(demo_run):
   reason="magnitudes of XLA:CPU's float16 arithmetic (a GPU fusion loses fewer entries)",
 )
 def test_on_cpu_the_lost_signal_slows_the_loss(demo_run):
-  _, (f32, f16, _) = demo_run
+  _, (f32, f16, _, _) = demo_run
   assert min(f16.underflow) > 0.01
   assert f16.final_loss > 1.1 * f32.final_loss
 
 
 def test_loss_scale_follows_the_dynamic_schedule(demo_run):
-  _, (f32, f16, scaled) = demo_run
+  _, (f32, f16, scaled, retried) = demo_run
   assert f32.loss_scales == f16.loss_scales == [1.0] * STEPS
+  # No overflow this early: the retrying run is the same run, with no retry.
+  assert retried.loss_scales == scaled.loss_scales and retried.retries == 0
   # No overflow this early, so the scale doubles every GROWTH_PERIOD steps.
   assert scaled.skipped_steps == []
   expected = [demo.INITIAL_LOSS_SCALE * 2.0 ** (i // demo.GROWTH_PERIOD) for i in range(STEPS)]

@@ -494,5 +494,7 @@ class StateAccessTest(parameterized.TestCase):
         "last_step_applied": ((), jnp.bool_),
         "consecutive_skips": ((), jnp.int32),
         "total_skips": ((), jnp.int32),
+        "retries": ((), jnp.int32),
+        "total_retries": ((), jnp.int32),
       },
     )

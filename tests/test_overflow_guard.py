@@ -63,6 +63,8 @@ class RecordTest(chex.TestCase):
       "consecutive_skips",
       "last_step_applied",
       "loss_scale",
+      "retries",
+      "total_retries",
       "total_skips",
     ]
 
