@@ -34,12 +34,7 @@ if not _installed("equinox"):
 DOCUMENT_PATTERNS = ("README.md", "docs/*.md", "docs/*/*.md")
 # Documents whose blocks are known not to run yet, and why: their blocks still
 # run, and report XFAIL (or XPASS) instead of failing the suite.
-NOT_YET_RUNNABLE = {
-  "README.md": (
-    "its blocks are excerpts of a train step (params, loss_fn, mesh, ... are"
-    " never defined); the README is being rewritten as the landing page (issue #20)"
-  ),
-}
+NOT_YET_RUNNABLE: dict[str, str] = {}
 
 if _installed("sybil"):
   import doctest
