@@ -354,7 +354,8 @@ _STATE_CONTAINERS = {
   optax.ApplyIfFiniteState: "optax.apply_if_finite",
   optax.MultiStepsState: "optax.MultiSteps",
   optax.MaskedState: "optax.masked",
-  optax.PartitionState: "optax.partition",
+  # optax 0.2.5 renamed multi_transform's state to PartitionState.
+  getattr(optax, "PartitionState", None) or optax.MultiTransformState: "optax.partition",
 }
 
 
