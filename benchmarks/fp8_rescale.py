@@ -22,30 +22,18 @@ patching the module that decides it):
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pathlib
-import sys
 import time
 
 import numpy as np
 
+from benchmarks import example_scripts
 import optax_lossscale as ols
 from optax_lossscale._src import overwrite
-
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "fp8_flax.py"
-
-
-def _example():
-  spec = importlib.util.spec_from_file_location("optax_lossscale_fp8_example", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
 
 
 def measure(steps: int, period: int, seed: int, rescale: bool) -> dict[str, float]:
   """One float16 + loss-scaling fp8 run; what its output-gradient quantization did."""
-  example = _example()
+  example = example_scripts.load("fp8_flax.py")
   saved = overwrite._FLAX_GRAD_META
   overwrite._FLAX_GRAD_META = saved if rescale else ()
   try:

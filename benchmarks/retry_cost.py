@@ -16,7 +16,7 @@ the scale reached, and, with both steps compiled and warm, the median time
 of a finite step of each (interleaved rounds; the ratio is the cost of the
 retry loop on a step that does not overflow) and of a step that retries
 `k` times (its cost over a finite step, per retry: about one backward pass).
-`python -m benchmarks.retry_cost [--steps N] [--rounds R]`.
+`python -m benchmarks.retry_cost [--steps N] [--rounds R] [--quick]`.
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=40)
   parser.add_argument("--rounds", type=int, default=9)
+  parser.add_argument("--quick", action="store_true", help="a small LM (a smoke test)")
   args = parser.parse_args(argv)
-  workload = workloads.transformer_lm()
+  small = {"d_model": 64, "layers": 2, "seq": 32, "batch": 4}
+  workload = workloads.transformer_lm(**(small if args.quick else {}))
   steps = _steps(workload)
   start = time.perf_counter()
   print(f"{workload.description}; {workloads.num_params(workload.params) / 1e6:.1f}M params")

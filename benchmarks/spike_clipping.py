@@ -23,35 +23,24 @@ scenarios, over several seeds:
 It reports the final float32 training loss relative to the same scenario's
 run without bad data (for ``shift``, relative to the unguarded run, since
 there is no bad data to remove), and the steps clipped or skipped.
-`python -m benchmarks.spike_clipping [--seeds K]`.
+`python -m benchmarks.spike_clipping [--seeds K] [--quick]`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pathlib
-import sys
 import time
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks import example_scripts
 import optax_lossscale as ols
 from optax_lossscale._src import skip_bad_steps as skip_lib
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "skip_bad_steps_demo.py"
 FEEDS = ("clipped", "none", "raw")
 SCENARIOS = ("one bad batch", "recurring bad batches", "shift")
-
-
-def _demo():
-  spec = importlib.util.spec_from_file_location("optax_lossscale_skip_demo_bench", EXAMPLE)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
 
 
 def _scenarios(batch_x: np.ndarray) -> dict[str, np.ndarray]:
@@ -68,8 +57,10 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--seeds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--quick", action="store_true", help="the first scenario only (a smoke test)")
   args = parser.parse_args(argv)
-  demo = _demo()
+  scenarios = SCENARIOS[:1] if args.quick else SCENARIOS
+  demo = example_scripts.load("skip_bad_steps_demo.py")
   guard = {"spike_threshold": 6.0, "warmup_steps": 50, "monitor": "grad_norm"}
   variants = ["no guard", "skip", *(f"clip, feeds {f}" for f in FEEDS)]
   rows: dict[tuple[str, str], list[tuple[float, int]]] = {}
@@ -85,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
 
     reference = final(demo.train("clean", params0, batch_x, batch_y, optax.adam(3e-3))[0])
     for scenario, bx in _scenarios(batch_x).items():
+      if scenario not in scenarios:
+        continue
       for variant in variants:
         if variant == "no guard":
           tx = optax.adam(demo.LEARNING_RATE)
@@ -106,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     f"{'scenario':<23} {'variant':<20} {'final loss vs reference (per seed)':<40} {'spikes':>7}"
   )
   print("-" * 94)
-  for scenario in SCENARIOS:
+  for scenario in scenarios:
     base = rows[(scenario, "no guard" if scenario == "shift" else "reference")]
     for variant in variants:
       results = rows[(scenario, variant)]

@@ -8,8 +8,10 @@ an H100 (`tests/data/adam_1M-*.hlo.txt`, from the GPU measurements).
 """
 
 import doctest
+import importlib
 import importlib.util
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -197,3 +199,18 @@ def test_gpu_size_lm_builds_at_its_size_and_only_in_the_gpu_run():
   assert {i["kind"] for i in run.plan(quick=True)} == {"optimizer", "train", "skip"}
   assert "large" not in {i["kind"] for i in run.plan(quick=False)}
   assert "large" in {i["kind"] for i in run.plan(quick=False, gpu_size=True)}
+
+
+@pytest.mark.skipif(not _installed("flax"), reason="the workloads are Flax models")
+@pytest.mark.parametrize(
+  "module, argv, expected",
+  [
+    ("retry_cost", ["--steps", "3", "--rounds", "1", "--quick"], r"retry: 0 batches lost"),
+    ("fp8_rescale", ["--steps", "20", "--seeds", "1"], r"\n\s+0\s+on\s"),
+    ("spike_clipping", ["--steps", "160", "--seeds", "1", "--quick"], r"one bad batch\s+skip"),
+  ],
+)
+def test_the_measurement_scripts_run(module, argv, expected, capsys):
+  pytest.importorskip("sklearn")
+  importlib.import_module(f"benchmarks.{module}").main(argv)
+  assert re.search(expected, capsys.readouterr().out)
