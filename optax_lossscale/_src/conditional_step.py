@@ -33,7 +33,7 @@ SkipMode = Literal["auto", "cond", "select"]
 SKIP_MODES = ("auto", "cond", "select")
 SETTINGS_ATTR = "loss_scale_optimizer_settings"
 # What skip_mode='auto' becomes, by the platform `jax.default_backend()` names
-# (BENCHMARKS.md, "skip_mode='auto'"). On a GPU, XLA turns the update path's
+# (docs/benchmark_findings.md, finding 2 and "GPU"). On a GPU, XLA turns the update path's
 # `cond` into selects anyway, and a conditional that survives (the fused
 # `apply_gradients`) sends its predicate to the host on every step, which
 # stalls asynchronous dispatch; on the H100 `select` was never slower beyond

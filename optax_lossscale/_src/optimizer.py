@@ -393,7 +393,7 @@ def loss_scale_optimizer(
       metadata (`output_grad_amax_history`, `output_grad_scale`) is measured
       in units of the loss scale; it is multiplied by the factor by which
       the scale changes, so that the next step quantizes its scaled
-      cotangents with the right scale (BENCHMARKS.md, "fp8").
+      cotangents with the right scale (docs/benchmark_findings.md, "fp8 metadata").
     **keras_options: Keras 3's base-optimizer options (`weight_decay`,
       `clipnorm`, `global_clipnorm`, `clipvalue`, `use_ema`, `ema_momentum`,
       `ema_overwrite_frequency`, `loss_scale_factor`,
@@ -509,7 +509,7 @@ def loss_scale_optimizer(
 
     # Read only by reductions (the check, the recorded flags). Where the scale
     # cannot change which gradients are finite, they read the gradient buffers
-    # as they are: one pass that writes nothing (BENCHMARKS.md, finding 3).
+    # as they are: one pass that writes nothing (docs/benchmark_findings.md, finding 3).
     # Overwrite-with-gradient leaves are new values, not scaled gradients:
     # checked as they are.
     checked = grads
@@ -517,7 +517,7 @@ def loss_scale_optimizer(
       checked = overwrite.unscaled_rest(marked, grads, ls.unscale)
     new_ls, should_apply = ls.update(checked, axis_name=axis_name)
     # fp8 metadata of the output gradients is in units of the loss scale: it
-    # follows the scale when the scale changes (BENCHMARKS.md, "fp8").
+    # follows the scale when the scale changes (docs/benchmark_findings.md, "fp8 metadata").
     factor = None if marked is None else new_ls() / ls()
     out, inner_state = conditional(should_apply, marked_factor=factor)
 

@@ -53,8 +53,8 @@ _ON_SPIKE = ("skip", "clip")
 _ON_SPIKE_STREAK = ("accept", "raise")
 # What a clipped step feeds the gradient-norm statistic: its norm after clipping
 # ("clipped", the threshold, as ZClip does), its norm before ("raw"), or nothing
-# ("none"). Measured in benchmarks/spike_clipping.py (BENCHMARKS.md, "Clipping
-# spikes"): with recurring bad batches, feeding the threshold or the raw norm
+# ("none"). Measured in benchmarks/spike_clipping.py (docs/benchmark_findings.md,
+# "Clipping spikes"): with recurring bad batches, feeding the threshold or the raw norm
 # raised the threshold until later spikes went through; nothing kept it.
 _CLIPPED_FEEDS = "none"
 
@@ -237,7 +237,7 @@ def skip_bad_steps(
       the log-norm, as ZClip does. Unlike ZClip, a clipped step feeds the
       statistic nothing, as a skipped one: feeding it the clipped norm let
       recurring bad batches raise the threshold until they went through
-      (BENCHMARKS.md, "Clipping spikes"); a real change of regime ends as a
+      (docs/benchmark_findings.md, "Clipping spikes"); a real change of regime ends as a
       streak of spikes does. A loss spike is still skipped. Needs
       `'grad_norm'` in `monitor`. `metrics` counts these steps as
       `spike_clips`.

@@ -76,7 +76,7 @@ _SUM_CHECKED = frozenset(
 def leaf_all_finite(x: jax.Array) -> jax.Array:
   """Whether every element of the non-empty array `x` is finite, as a bool scalar."""
   # Each leaf is read once, by a reduction that writes no temporary where
-  # XLA:CPU allows (BENCHMARKS.md, finding 3: past 32 MiB a flags array costs
+  # XLA:CPU allows (docs/benchmark_findings.md, finding 3: past 32 MiB a flags array costs
   # page faults, several times a plain read). `x - x` is 0 for finite x and NaN
   # for NaN or +-Inf, and a sum keeps any NaN, so one sum decides:
   # XLA folds `x - x` to 0 only under fast-math, which would fold `isfinite`
