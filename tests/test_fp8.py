@@ -254,8 +254,14 @@ class FlaxTrainStateTest(chex.TestCase):
     eager = state
     for i, x in enumerate(xs):
       eager, _ = body(eager, x)
-      assert_bits_equal(jax.tree.map(lambda w, i=i: w[i], written), eager.params[OWG])
-    # The NaN step (index 1) left them as the first step wrote them.
+      # The amax and scale arithmetic of two XLA programs may differ in a last
+      # bit on an accelerator; on CPU the scan writes exactly what eager writes.
+      got = jax.tree.map(lambda w, i=i: w[i], written)
+      if jax.default_backend() == "cpu":
+        assert_bits_equal(got, eager.params[OWG])
+      else:
+        chex.assert_trees_all_close(got, eager.params[OWG], rtol=1e-6)
+    # The NaN step (index 1) left them as the first step wrote them: bit for bit.
     assert_bits_equal(jax.tree.map(lambda w: w[1], written), jax.tree.map(lambda w: w[0], written))
 
   def test_a_chain_around_the_wrapper_is_refused_with_fp8(self):

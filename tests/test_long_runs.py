@@ -261,7 +261,13 @@ class ConvertTest(chex.TestCase):
       chex.assert_trees_all_equal(ols._src.state_conversion.innermost_state(wrapped), state)
       scaled = jax.tree.map(lambda g, s=scale: g * s, self._grads(3))
       got, new_state = step(tx, scaled, wrapped, params)
-      chex.assert_trees_all_equal(got, expected)
+      # Power-of-two scales unscale exactly, so Adam sees the same gradients; on
+      # CPU the fused step rounds as bare optax's does, bit for bit (another
+      # backend may fuse the two programs' arithmetic differently).
+      if jax.default_backend() == "cpu":
+        chex.assert_trees_all_equal(got, expected)
+      else:
+        chex.assert_trees_all_close(got, expected, rtol=1e-6)
       # And back: drop the wrapper, keep the inner state.
       back = ols.convert_state(bare, new_state, got)
       chex.assert_trees_all_equal(back, ols._src.state_conversion.innermost_state(new_state))
