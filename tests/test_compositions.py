@@ -5,6 +5,8 @@ independent of the implementation: the refusal comes at construction, at
 `init` or at the first `update` (traced or not), whichever first can see it.
 """
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -88,6 +90,20 @@ class PredecessorTest(chex.TestCase):
       state = tx.init(PARAMS)
       with pytest.raises(ValueError, match=r"comes after .* receive the \*scaled\* gradients"):
         self.variant(tx.update)({"w": jnp.ones(2)}, state, PARAMS)
+
+  def test_a_stateful_transformation_after_a_skipping_wrapper_warns(self):
+    # On a skipped step it still runs on the zero updates: optax.trace moves the params.
+    for wrapper in (lso(), ols.skip_bad_steps(optax.sgd(0.5))):
+      tx = optax.chain(wrapper, optax.trace(0.9))
+      state = tx.init(PARAMS)
+      with pytest.warns(UserWarning, match=r"optax\.trace comes after .* keeps\s+state"):
+        _, state = tx.update({"w": jnp.ones(2)}, state, PARAMS)
+        skipped, _ = tx.update({"w": jnp.array([np.nan, 1.0])}, state, PARAMS)
+      assert not np.all(np.asarray(skipped["w"]) == 0)  # what the warning is about
+    fixed = optax.chain(ols.loss_scale_optimizer(optax.sgd(0.5), 2.0), optax.trace(0.9))
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # a fixed scale never skips: nothing to warn about
+      fixed.update({"w": jnp.ones(2)}, fixed.init(PARAMS), PARAMS)
 
   def test_after_the_wrapper_is_fine(self):
     tx = optax.chain(lso(), optax.scale(0.5))

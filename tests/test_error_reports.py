@@ -75,6 +75,25 @@ class OverflowingNormTest(chex.TestCase):
     assert (int(m["spike_skips"]), int(m["nonfinite_skips"])) == (1, 1)
     assert np.isfinite(float(m["grad_norm_mean"]))
 
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_both_skip_modes_tell_an_inf_gradient_from_an_overflowing_norm(self):
+    # 'cond' reads the gradients again under a cond, 'select' decides in the one
+    # reduction: the answers agree.
+    for skip_mode in ("cond", "select"):
+      tx = ols.skip_bad_steps(
+        optax.sgd(1e-20), spike_threshold=3.0, warmup_steps=5, skip_mode=skip_mode
+      )
+      for g, w, applied in (
+        (self.HUGE, (1.0, 1.0), True),
+        (np.inf, (1.0, 1.0), False),
+        (1.0, (np.inf, -np.inf), False),
+        (np.nan, (1.0, 1.0), False),
+        (1.0, (1.0, 1.0), True),
+      ):
+        _, state = self.variant(tx.update)(grads_of(g, w), tx.init(PARAMS), PARAMS)
+        assert bool(state.last_step_applied) == applied, (skip_mode, g, w)
+        assert int(state.nonfinite_skips) == (not applied), (skip_mode, g, w)
+
 
 class GuardTest(chex.TestCase):
   def test_a_nan_streak_gets_nan_advice_and_a_bfloat16_report(self):

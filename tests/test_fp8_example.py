@@ -1,5 +1,6 @@
 """Runs `examples/fp8_flax.py` and checks what its table claims (issue 18, item 5)."""
 
+import jax
 import pytest
 
 from tests.example_loader import load_example
@@ -31,7 +32,9 @@ def test_ours_skips_it_and_the_metadata_follows_the_data_as_in_the_clean_run(res
   # the clean run, only on their first steps; Flax's frozen scales clip them all.
   shifted = set(example.SHIFT_STEPS)
   assert len(shifted & set(flax_run.clipped_steps)) >= len(shifted) - 2
-  assert ours.clipped_steps == clean.clipped_steps
+  if jax.default_backend() == "cpu":
+    # Same program, same batches after the skipped step: on CPU, the same bits.
+    assert ours.clipped_steps == clean.clipped_steps
   assert len(shifted & set(ours.clipped_steps)) < len(shifted) / 2
   assert len(flax_run.clipped_steps) > len(ours.clipped_steps)
   assert abs(ours.final_loss / clean.final_loss - 1) < 0.5 and ours.test_accuracy > 0.95

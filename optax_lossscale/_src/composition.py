@@ -29,6 +29,7 @@ import functools
 import sys
 import types
 from typing import Any
+import warnings
 
 import jax
 import optax
@@ -185,6 +186,7 @@ def check_update(
   own_update: Callable[..., Any],
   watches_norm: bool = False,
   writes_values: bool = False,
+  can_skip: bool = True,
 ) -> None:
   """Raises if a transformation beside `own_update` in an optax chain makes it wrong.
 
@@ -192,18 +194,27 @@ def check_update(
   first (only `optax.identity()` may precede it); `skip_bad_steps` watching
   the gradient norm must not follow a clipping of that norm; a wrapper that
   writes overwrite-with-gradient leaves (`writes_values`) must come last, or
-  the transformations after it would transform the values it writes.
+  the transformations after it would transform the values it writes. A
+  stateful transformation after a wrapper that `can_skip` gets a warning: on
+  a skipped step it still runs, on zero updates, and advances its state.
   """
-  if kind == SKIP and not (watches_norm or writes_values):
-    return
   target: Any = own_update
   for container, frame in _callers(sys._getframe(1)):
     if container not in ("optax.chain", "optax.named_chain"):
       target = frame.f_code
       continue
-    before, after = _neighbours(frame, target)
+    before, after, later_states = _neighbours(frame, target)
     target = frame.f_code
     later = [_name(fn) for fn in after if not _is_identity(fn)]
+    if can_skip and any(jax.tree.leaves(s) for s in later_states):
+      warnings.warn(
+        f"{', '.join(dict.fromkeys(later))} comes after {kind} in an {container} and keeps"
+        " state: on a step the wrapper skips it still runs, on zero updates, and advances"
+        " that state (optax.trace would still move the params). Put it inside the"
+        f" wrapper, {_FIX[kind]}, so that a skipped step leaves it untouched.",
+        UserWarning,
+        stacklevel=4,
+      )
     if writes_values and later:
       listed = ", ".join(dict.fromkeys(later))
       raise ValueError(
@@ -230,11 +241,13 @@ def check_update(
 
 def _neighbours(
   frame: types.FrameType, target: Any
-) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:
-  """The update functions a chain frame runs before and after the part leading to `target`.
+) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]], list[Any]]:
+  """What a chain frame runs before and after the part leading to `target`.
 
   `target` is the wrapper's update function, or the code object of the
   combinator frame below (the part currently running, the loop variable).
+  Returns the update functions before and after it, and the states of the
+  parts after it (from the chain's `state` argument, a tuple or a dict).
   """
 
   def leads(part: Any) -> bool:
@@ -251,8 +264,13 @@ def _neighbours(
     positions = [i for i, p in enumerate(parts) if leads(p)]
     if len(positions) == 1:
       leaves = lambda ps: [fn for p in ps for fn in _leaf_updates(_update_of(p))]
-      return leaves(parts[: positions[0]]), leaves(parts[positions[0] + 1 :])
-  return [], []  # not found: nothing is claimed
+      states = frame.f_locals.get("state")
+      states = list(states.values()) if isinstance(states, dict) else states
+      later_states = []
+      if isinstance(states, (tuple, list)) and len(states) == len(parts):
+        later_states = list(states[positions[0] + 1 :])
+      return leaves(parts[: positions[0]]), leaves(parts[positions[0] + 1 :]), later_states
+  return [], [], []  # not found: nothing is claimed
 
 
 def _leaf_updates(update: Callable[..., Any]) -> Iterator[Callable[..., Any]]:

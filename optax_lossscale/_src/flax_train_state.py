@@ -198,7 +198,7 @@ def convert_train_state(
   """
   fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
   fields.update(tx=tx, opt_state=state_conversion.convert_state(tx, state.opt_state, state.params))
-  if conditional_step.settings_of(tx) is None and not _has_wrapper(fields["opt_state"]):
+  if not _has_wrapper(fields["opt_state"]):
     base = {f.name for f in dataclasses.fields(train_state.TrainState)}
     extra = sorted(set(fields) - base)
     if extra:

@@ -47,8 +47,8 @@ class LossScaleOptimizerState(NamedTuple):
     nonfinite_leaves: None, or with `record_nonfinite_leaves=True` a tree
       shaped like the parameters holding one bool scalar per leaf: whether
       that leaf's gradient held NaN/Inf on the last skipped step.
-    retries: int32 scalar, backward passes redone at a lower scale on the
-      last step by `retry_on_overflow` (0 without it).
+    retries: int32 scalar, backward passes redone at a lower scale by
+      `retry_on_overflow` for the last step it served (0 in a run without it).
     total_retries: int32 scalar, the same since `init`.
 
   Example:
@@ -377,7 +377,7 @@ def loss_scale_optimizer(
       `jax.errors.JaxRuntimeError` or `ValueError` whose message holds the
       `OverflowGuardError` text. With a guard on, the step contains a host
       callback (never run unless it fires), which makes CPU execution of the
-      step synchronous; see the README. With a fixed scale no step is
+      step synchronous; see the diagnostics guide. With a fixed scale no step is
       skipped, so the guards never fire and the flags stay False.
     overwrite_with_gradient: which gradient leaves are fp8 metadata whose
       "gradient" is their new value (Flax's `Fp8DirectDotGeneralOp` and
@@ -483,7 +483,12 @@ def loss_scale_optimizer(
     """One update; returns the updates, or with `apply_to_params` the new params."""
     _check_state(state)
     marked = overwrite.resolve(overwrite_with_gradient, grads)
-    composition.check_update(composition.LOSS_SCALE, update_fn, writes_values=marked is not None)
+    composition.check_update(
+      composition.LOSS_SCALE,
+      update_fn,
+      writes_values=marked is not None,
+      can_skip=state.loss_scale.dynamic,
+    )
     _check_float_grads(grads)
     if params is not None:
       params_check.check_params_are_arrays(params, "loss_scale_optimizer.update")

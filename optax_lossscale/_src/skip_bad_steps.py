@@ -131,8 +131,13 @@ class SkipBadSteps(optax.GradientTransformationExtraArgs):
     return dict(getattr(self.update, conditional_step.SETTINGS_ATTR)["config"])
 
 
-def _sum_of_squares(tree: Any) -> jax.Array:
-  """The squared global L2 norm of the inexact leaves, accumulated in float32 or wider."""
+def _sum_of_squares(tree: Any, nonfinite_as_nan: bool = False) -> jax.Array:
+  """The squared global L2 norm of the inexact leaves, accumulated in float32 or wider.
+
+  With `nonfinite_as_nan` a NaN/Inf value contributes NaN, so that the sum is
+  NaN exactly when a gradient is not finite and +Inf only when finite ones
+  overflow float32's squares: one reduction answers both questions.
+  """
   total = jnp.zeros((), jnp.float32)
   for g in jax.tree.leaves(tree):
     if not tree_utils.is_inexact(g) or not jnp.size(g):
@@ -141,7 +146,8 @@ def _sum_of_squares(tree: Any) -> jax.Array:
     if jnp.iscomplexobj(g):
       g = jnp.abs(g)
     g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
-    total = total + jnp.sum(g * g).astype(jnp.float32)
+    squares = jnp.where(jnp.isfinite(g), g * g, jnp.nan) if nonfinite_as_nan else g * g
+    total = total + jnp.sum(squares).astype(jnp.float32)
   return total
 
 
@@ -391,22 +397,24 @@ def skip_bad_steps(
     if marked is not None:
       grads, written = marked.split(grads)
     if "grad_norm" in monitors:
-      squares = _sum_of_squares(grads)
+      # The norm is the finiteness check, one pass over the gradients: a NaN/Inf
+      # gradient makes the sum NaN or +Inf (on every shard, after the psum). +Inf
+      # is also what finite gradients whose squares overflow float32 give. To
+      # tell the two apart, 'cond' mode (CPU, TPU) reads the gradients again
+      # under a cond taken only when the sum is +Inf; 'select' mode (GPUs, where
+      # a conditional sends its predicate to the host) turns non-finite values
+      # into NaN inside the one reduction, arithmetic a memory-bound GPU pass
+      # absorbs (on CPU it costs x1.7 to x8 of the plain sum: docs/benchmark_findings.md).
+      by_cond = conditional_step.resolve_skip_mode(skip_mode) == "cond"
+      squares = _sum_of_squares(grads, nonfinite_as_nan=not by_cond)
       if axis_name is not None:
         squares = jax.lax.psum(squares, axis_name)
       values["grad_norm"] = jnp.sqrt(squares)
-      # A NaN/Inf anywhere makes the sum NaN/Inf (on every shard, after the
-      # psum): the norm is the finiteness check, one pass over the gradients.
-      # +Inf is also what finite gradients whose squares overflow float32
-      # give: only then are the gradients read again to tell the two apart,
-      # under a cond ('cond' mode), or with 'select' (GPUs, where a conditional
-      # sends its predicate to the host) as a second reduction over the same
-      # buffers, which XLA can fuse with the norm's.
-      exact = lambda: tree_utils.all_finite(grads, axis_name)
-      if conditional_step.resolve_skip_mode(skip_mode) == "cond":
+      if by_cond:
+        exact = lambda: tree_utils.all_finite(grads, axis_name)
         finite = jax.lax.cond(jnp.isinf(squares), exact, lambda: jnp.isfinite(squares))
       else:
-        finite = jnp.where(jnp.isinf(squares), exact(), jnp.isfinite(squares))
+        finite = jnp.logical_not(jnp.isnan(squares))
     else:
       finite = tree_utils.all_finite(grads, axis_name)
     if "loss" in monitors:
