@@ -22,9 +22,15 @@ collect_ignore_glob = ["docs/_build/*"]
 # need them instead of failing to collect their doctests (their tests skip
 # themselves).
 if not _installed("flax"):
-  collect_ignore_glob += ["optax_lossscale/flax.py", "optax_lossscale/_src/flax_*.py"]
+  collect_ignore_glob += [
+    "optax_lossscale/flax.py",
+    "optax_lossscale/_src/integrations/flax_*.py",
+  ]
 if not _installed("equinox"):
-  collect_ignore_glob += ["optax_lossscale/equinox.py", "optax_lossscale/_src/equinox_*.py"]
+  collect_ignore_glob += [
+    "optax_lossscale/equinox.py",
+    "optax_lossscale/_src/integrations/equinox_*.py",
+  ]
 
 # Every Python block of the Markdown documents (the README and the pages of
 # docs/, the paths pyproject.toml's testpaths name) runs, in order, in one

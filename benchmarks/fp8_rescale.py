@@ -28,7 +28,7 @@ import numpy as np
 
 from benchmarks import example_scripts
 import optax_lossscale as ols
-from optax_lossscale._src import overwrite
+from optax_lossscale._src.step import overwrite
 
 
 def measure(steps: int, period: int, seed: int, rescale: bool) -> dict[str, float]:

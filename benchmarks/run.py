@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 from benchmarks import hlo_stats, recipes, workloads
-from optax_lossscale._src import tree_utils
+from optax_lossscale._src.utils import tree_utils
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PRE_CHANGE = "ols cond (jnp.all check)"

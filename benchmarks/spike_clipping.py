@@ -37,7 +37,7 @@ import optax
 
 from benchmarks import example_scripts
 import optax_lossscale as ols
-from optax_lossscale._src import skip_bad_steps as skip_lib
+from optax_lossscale._src.wrappers import skip_bad_steps as skip_lib
 
 FEEDS = ("clipped", "none", "raw")
 SCENARIOS = ("one bad batch", "recurring bad batches", "shift")

@@ -1,34 +1,38 @@
 """optax_lossscale: mixed-precision loss scaling for JAX, the optax way."""
 
-from optax_lossscale._src.apply_gradients import apply_gradients
-from optax_lossscale._src.dynamic_loss_scale import DynamicLossScale
-from optax_lossscale._src.grad import value_and_grad
-from optax_lossscale._src.gradient_report import (
+from optax_lossscale._src.diagnostics.gradient_report import (
   GradientReport,
   LeafStats,
   format_gradient_report,
   gradient_report,
 )
-from optax_lossscale._src.loss_scale import FixedLossScale, LossScale, NoOpLossScale
-from optax_lossscale._src.optimizer import (
+from optax_lossscale._src.diagnostics.overflow_guard import OverflowGuardError
+from optax_lossscale._src.diagnostics.scale_advisor import ScaleAdvice, suggest_loss_scale
+from optax_lossscale._src.loss_scales.dynamic_loss_scale import DynamicLossScale
+from optax_lossscale._src.loss_scales.loss_scale import FixedLossScale, LossScale, NoOpLossScale
+from optax_lossscale._src.loss_scales.serialization import deserialize, get, serialize
+from optax_lossscale._src.step.apply_gradients import apply_gradients
+from optax_lossscale._src.utils.tree_utils import all_finite, select_tree
+from optax_lossscale._src.wrappers.grad import value_and_grad
+from optax_lossscale._src.wrappers.optimizer import (
   LossScaleOptimizer,
   LossScaleOptimizerState,
   loss_scale_optimizer,
 )
-from optax_lossscale._src.overflow_guard import OverflowGuardError
-from optax_lossscale._src.retry import retry_on_overflow
-from optax_lossscale._src.scale_advisor import ScaleAdvice, suggest_loss_scale
-from optax_lossscale._src.serialization import deserialize, get, serialize
-from optax_lossscale._src.skip_bad_steps import SkipBadSteps, SkipBadStepsState, skip_bad_steps
-from optax_lossscale._src.state_access import (
+from optax_lossscale._src.wrappers.retry import retry_on_overflow
+from optax_lossscale._src.wrappers.skip_bad_steps import (
+  SkipBadSteps,
+  SkipBadStepsState,
+  skip_bad_steps,
+)
+from optax_lossscale._src.wrappers.state_access import (
   check_composition,
   get_loss_scale,
   get_scaled_loss,
   get_unscaled_gradients,
   metrics,
 )
-from optax_lossscale._src.state_conversion import convert_state
-from optax_lossscale._src.tree_utils import all_finite, select_tree
+from optax_lossscale._src.wrappers.state_conversion import convert_state
 
 __version__ = "0.1.0"
 

@@ -7,6 +7,6 @@ The optimizer side needs nothing from here: give `loss_scale_optimizer` (or
 imports Equinox.
 """
 
-from optax_lossscale._src.equinox_grad import filter_value_and_grad
+from optax_lossscale._src.integrations.equinox_grad import filter_value_and_grad
 
 __all__ = ("filter_value_and_grad",)

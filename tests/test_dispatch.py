@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale._src import tree_utils
+from optax_lossscale._src.utils import tree_utils
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(ols.__file__))
 CALLS = 20

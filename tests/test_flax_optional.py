@@ -99,8 +99,9 @@ def test_suite_collects_without_flax(tmp_path):
   assert result.returncode == 0, result.stdout + result.stderr
   # The core doctests are collected, the Flax modules' are not, and the Flax
   # test files skip rather than error.
-  assert "optax_lossscale/_src/grad.py::optax_lossscale._src.grad.value_and_grad" in result.stdout
-  assert "_src/flax_train_state.py::" not in result.stdout
+  doctest = "_src/wrappers/grad.py::optax_lossscale._src.wrappers.grad.value_and_grad"
+  assert doctest in result.stdout
+  assert "_src/integrations/flax_train_state.py::" not in result.stdout
   assert "tests/test_grad.py::" in result.stdout
   assert "tests/test_flax_nnx.py::" not in result.stdout
   assert re.search(r"test_flax_nnx.py:\d+: could not import 'flax'", result.stdout)

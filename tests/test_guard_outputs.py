@@ -122,7 +122,7 @@ def test_skip_bad_steps_guard_leaves_the_state_values_unchanged():
 
 
 def test_folding_the_guard_keeps_every_bit_of_a_scalar_including_negative_zero():
-  from optax_lossscale._src import overflow_guard
+  from optax_lossscale._src.diagnostics import overflow_guard
 
   zero = jnp.zeros((), jnp.int32)
   scalars = {"neg0": jnp.float32(-0.0), "nan": jnp.float32(jnp.nan), "i": jnp.int32(-3)}

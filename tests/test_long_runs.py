@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
+from optax_lossscale._src.wrappers.state_conversion import innermost_state
 
 PARAMS = {"w": jnp.array([1.0, 2.0, -0.5])}
 X = jnp.array([3.0, 1.0, 2.0])
@@ -258,7 +259,7 @@ class ConvertTest(chex.TestCase):
       (ols.loss_scale_optimizer(ols.skip_bad_steps(bare)), 2.0**15),
     ):
       wrapped = ols.convert_state(tx, state, params)
-      chex.assert_trees_all_equal(ols._src.state_conversion.innermost_state(wrapped), state)
+      chex.assert_trees_all_equal(innermost_state(wrapped), state)
       scaled = jax.tree.map(lambda g, s=scale: g * s, self._grads(3))
       got, new_state = step(tx, scaled, wrapped, params)
       # Power-of-two scales unscale exactly, so Adam sees the same gradients; on
@@ -270,7 +271,7 @@ class ConvertTest(chex.TestCase):
         chex.assert_trees_all_close(got, expected, rtol=1e-6)
       # And back: drop the wrapper, keep the inner state.
       back = ols.convert_state(bare, new_state, got)
-      chex.assert_trees_all_equal(back, ols._src.state_conversion.innermost_state(new_state))
+      chex.assert_trees_all_equal(back, innermost_state(new_state))
 
   def test_a_different_inner_optimizer_is_refused(self):
     state = optax.sgd(0.1, momentum=0.9).init(PARAMS)

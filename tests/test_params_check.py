@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optax_lossscale._src.params_check import check_params_are_arrays
+from optax_lossscale._src.utils.params_check import check_params_are_arrays
 
 
 def test_arrays_scalars_none_tracers_and_shape_structs_pass():

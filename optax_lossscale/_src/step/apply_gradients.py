@@ -14,7 +14,7 @@ from typing import Any
 
 import optax
 
-from optax_lossscale._src import conditional_step
+from optax_lossscale._src.step import conditional_step
 
 
 def apply_gradients(

@@ -46,7 +46,7 @@ def check_params_are_arrays(params: Any, where: str) -> None:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from optax_lossscale._src.params_check import check_params_are_arrays
+    >>> from optax_lossscale._src.utils.params_check import check_params_are_arrays
     >>> check_params_are_arrays({'w': jnp.ones(2), 'b': None}, 'tx.init')
     >>> check_params_are_arrays({'w': jnp.ones(2), 'act': jax.nn.relu}, 'tx.init')
     Traceback (most recent call last):

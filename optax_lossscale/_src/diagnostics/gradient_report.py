@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._src import tree_utils
+from optax_lossscale._src.utils import tree_utils
 
 _TARGET_DTYPES = ("float16", "bfloat16", "float32")
 _COUNT_FIELDS = ("nan", "posinf", "neginf", "zero", "underflow", "subnormal", "overflow")

@@ -14,8 +14,9 @@ from typing import Any
 
 import jax
 
-from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src import state_access, validation
+from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
+from optax_lossscale._src.utils import validation
+from optax_lossscale._src.wrappers import state_access
 
 # Turns a function `f(*args) -> (scaled_loss, (loss, aux))` into one returning
 # `((scaled_loss, (loss, aux)), grads)`: `jax.value_and_grad` with `has_aux=True`,

@@ -30,9 +30,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src import state_access, tree_utils, validation
-from optax_lossscale._src.optimizer import LossScaleOptimizerState
+from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
+from optax_lossscale._src.utils import tree_utils, validation
+from optax_lossscale._src.wrappers import state_access
+from optax_lossscale._src.wrappers.optimizer import LossScaleOptimizerState
 
 
 class _Carry(NamedTuple):

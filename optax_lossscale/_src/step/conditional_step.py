@@ -27,7 +27,8 @@ import warnings
 import jax
 import optax
 
-from optax_lossscale._src import overwrite, skip_branch, tree_utils
+from optax_lossscale._src.step import overwrite, skip_branch
+from optax_lossscale._src.utils import tree_utils
 
 SkipMode = Literal["auto", "cond", "select"]
 SKIP_MODES = ("auto", "cond", "select")
@@ -65,7 +66,7 @@ def resolve_skip_mode(skip_mode: SkipMode, platform: str | None = None) -> str:
     'cond' or 'select'.
 
   Example:
-    >>> from optax_lossscale._src.conditional_step import resolve_skip_mode
+    >>> from optax_lossscale._src.step.conditional_step import resolve_skip_mode
     >>> [resolve_skip_mode('auto', p) for p in ('cpu', 'gpu', 'tpu')]
     ['cond', 'select', 'cond']
   """

@@ -17,8 +17,9 @@ from flax import nnx
 import jax
 import optax
 
-from optax_lossscale._src import grad, retry, state_access, state_conversion, validation
-from optax_lossscale._src.optimizer import LossScaleOptimizerState
+from optax_lossscale._src.utils import validation
+from optax_lossscale._src.wrappers import grad, retry, state_access, state_conversion
+from optax_lossscale._src.wrappers.optimizer import LossScaleOptimizerState
 
 
 def nnx_value_and_grad(

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._src import tree_utils, validation
+from optax_lossscale._src.utils import tree_utils, validation
 
 _Self = TypeVar("_Self", bound="LossScale")
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy
 import numpy as np
 
-from optax_lossscale._src.dynamic_loss_scale import DynamicLossScale
-from optax_lossscale._src.loss_scale import FixedLossScale, LossScale
+from optax_lossscale._src.loss_scales.dynamic_loss_scale import DynamicLossScale
+from optax_lossscale._src.loss_scales.loss_scale import FixedLossScale, LossScale
 
 _ACCEPTED_FORMS = (
   "'dynamic', a number >= 1 (a FixedLossScale; a NumPy or JAX scalar too), a LossScale"

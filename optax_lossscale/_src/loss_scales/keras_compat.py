@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from optax_lossscale._src import dynamic_loss_scale, serialization, validation
-from optax_lossscale._src import loss_scale as loss_scale_lib
+from optax_lossscale._src.loss_scales import dynamic_loss_scale, serialization
+from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
+from optax_lossscale._src.utils import validation
 
 # Keras 3's base-optimizer options: their defaults, and what does the job in optax.
 _INNER_OPTIONS: dict[str, tuple[Any, str]] = {

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optax_lossscale._src import tree_utils
+from optax_lossscale._src.utils import tree_utils
 
 _DTYPES = ("float16", "bfloat16")
 

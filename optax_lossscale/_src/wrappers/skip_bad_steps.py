@@ -36,17 +36,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale._src import (
-  composition,
-  conditional_step,
-  overflow_guard,
-  overwrite,
-  params_check,
-  skip_guard,
-  tree_utils,
-  validation,
-)
-from optax_lossscale._src import spike_statistic as stat_lib
+from optax_lossscale._src.diagnostics import overflow_guard, skip_guard
+from optax_lossscale._src.step import composition, conditional_step, overwrite
+from optax_lossscale._src.utils import params_check, tree_utils, validation
+from optax_lossscale._src.wrappers import spike_statistic as stat_lib
 
 MONITORS = ("grad_norm", "loss")
 _ON_SPIKE = ("skip", "clip")

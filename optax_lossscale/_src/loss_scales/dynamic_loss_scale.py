@@ -29,8 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale._src import tree_utils, validation
-from optax_lossscale._src.loss_scale import LossScale
+from optax_lossscale._src.loss_scales.loss_scale import LossScale
+from optax_lossscale._src.utils import tree_utils, validation
 
 
 class DynamicLossScale(LossScale):

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale._src import compat
+from optax_lossscale._src.utils import compat
 
 
 def varying_axes(x: Any) -> frozenset[Any]:

@@ -17,19 +17,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale._src import (
-  composition,
-  conditional_step,
-  dynamic_loss_scale,
-  keras_compat,
-  overflow_guard,
-  overwrite,
-  params_check,
-  serialization,
-  tree_utils,
-)
-from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src.conditional_step import SkipMode
+from optax_lossscale._src.diagnostics import overflow_guard
+from optax_lossscale._src.loss_scales import dynamic_loss_scale, keras_compat, serialization
+from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
+from optax_lossscale._src.step import composition, conditional_step, overwrite
+from optax_lossscale._src.step.conditional_step import SkipMode
+from optax_lossscale._src.utils import params_check, tree_utils
 
 
 class LossScaleOptimizerState(NamedTuple):

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._src import gradient_report as report_lib
-from optax_lossscale._src import overflow_guard
+from optax_lossscale._src.diagnostics import gradient_report as report_lib
+from optax_lossscale._src.diagnostics import overflow_guard
 
 _NONFINITE_ADVICE = (
   "The last step's gradients (or watched loss) held NaN/Inf: look at the leaves above, the"

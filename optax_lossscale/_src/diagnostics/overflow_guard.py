@@ -46,9 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._src import gradient_report as report_lib
-from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src import tree_utils, validation
+from optax_lossscale._src.diagnostics import gradient_report as report_lib
+from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
+from optax_lossscale._src.utils import tree_utils, validation
 
 GuardFn = Callable[[loss_scale_lib.LossScale, jax.Array, jax.Array, Any], jax.Array]
 

@@ -20,7 +20,7 @@ from typing import Any
 from flax import serialization
 import jax
 
-from optax_lossscale._src import loss_scale as loss_scale_lib
+from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
 
 
 def _kinds_with(fields: set[str]) -> str:

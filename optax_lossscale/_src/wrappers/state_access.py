@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lossscale._src import composition, tree_utils
-from optax_lossscale._src import loss_scale as loss_scale_lib
-from optax_lossscale._src.optimizer import LossScaleOptimizerState
-from optax_lossscale._src.skip_bad_steps import SkipBadStepsState
+from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
+from optax_lossscale._src.step import composition
+from optax_lossscale._src.utils import tree_utils
+from optax_lossscale._src.wrappers.optimizer import LossScaleOptimizerState
+from optax_lossscale._src.wrappers.skip_bad_steps import SkipBadStepsState
 
 
 def _is_state(x: Any) -> bool:

@@ -15,8 +15,8 @@ from typing import Any
 import jax
 import optax
 
-from optax_lossscale._src.optimizer import LossScaleOptimizerState
-from optax_lossscale._src.skip_bad_steps import SkipBadStepsState
+from optax_lossscale._src.wrappers.optimizer import LossScaleOptimizerState
+from optax_lossscale._src.wrappers.skip_bad_steps import SkipBadStepsState
 
 _WRAPPER_STATES = (LossScaleOptimizerState, SkipBadStepsState)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import equinox as eqx
 
-from optax_lossscale._src import grad
+from optax_lossscale._src.wrappers import grad
 
 
 def filter_value_and_grad(

@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale._src import conditional_step, state_access, state_conversion
-from optax_lossscale._src import loss_scale as loss_scale_lib
+from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
+from optax_lossscale._src.step import conditional_step
+from optax_lossscale._src.wrappers import state_access, state_conversion
 
 # Flax's fp8 marker (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT): those
 # "gradients" overwrite fp8 metadata and would be written even on skipped steps.
