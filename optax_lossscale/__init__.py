@@ -11,6 +11,16 @@ from optax_lossscale._src.diagnostics.scale_advisor import ScaleAdvice, suggest_
 from optax_lossscale._src.loss_scales.dynamic_loss_scale import DynamicLossScale
 from optax_lossscale._src.loss_scales.loss_scale import FixedLossScale, LossScale, NoOpLossScale
 from optax_lossscale._src.loss_scales.serialization import deserialize, get, serialize
+from optax_lossscale._src.precision.autocast import autocast
+from optax_lossscale._src.precision.autocast_interpreter import UnknownPrimitiveError
+from optax_lossscale._src.precision.policy import (
+  Policy,
+  cast_to_full,
+  cast_to_half,
+  dtype_to_names,
+  get_policy,
+  half_dtype,
+)
 from optax_lossscale._src.step.apply_gradients import apply_gradients
 from optax_lossscale._src.utils.tree_utils import all_finite, select_tree
 from optax_lossscale._src.wrappers.grad import value_and_grad
@@ -46,20 +56,28 @@ __all__ = (
   "LossScaleOptimizerState",
   "NoOpLossScale",
   "OverflowGuardError",
+  "Policy",
   "ScaleAdvice",
   "SkipBadSteps",
   "SkipBadStepsState",
+  "UnknownPrimitiveError",
   "all_finite",
   "apply_gradients",
+  "autocast",
+  "cast_to_full",
+  "cast_to_half",
   "check_composition",
   "convert_state",
   "deserialize",
+  "dtype_to_names",
   "format_gradient_report",
   "get",
   "get_loss_scale",
+  "get_policy",
   "get_scaled_loss",
   "get_unscaled_gradients",
   "gradient_report",
+  "half_dtype",
   "loss_scale_optimizer",
   "metrics",
   "retry_on_overflow",

@@ -7,9 +7,11 @@ lower bounds (`make test-lowest`, pinned by `constraints-lowest.txt`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
+from jax._src import source_info_util
 
 
 def varying_axes(aval: Any) -> frozenset[Any]:
@@ -32,3 +34,59 @@ def pvary(x: jax.Array, axis_names: tuple[Any, ...]) -> jax.Array:
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, axis_names, to="varying")
   return jax.lax.pvary(x, axis_names)  # jax < 0.9
+
+
+def custom_jvp_rule_jaxpr(params: dict[str, Any], num_args: int) -> tuple[Any, Any, list[bool]]:
+  """The JVP rule of a `custom_jvp_call` equation as `(jaxpr, consts, out_zeros)`.
+
+  The jaxpr takes the primal arguments (without the call's consts) and then
+  one tangent per argument, all nonzero; `out_zeros` says which output
+  tangents the rule returns as symbolic zeros (those are not among the
+  jaxpr's outputs). JAX keeps the rule as a thunk, `jvp_jaxpr_fun`, the same
+  in jax 0.7.1 and 0.10.2 (private: `jax._src.custom_derivatives.lift_jvp`
+  calls it this way).
+  """
+  jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*[False] * num_args)
+  return jaxpr, consts, list(out_zeros)
+
+
+def shard_map_manual_axes(params: dict[str, Any]) -> frozenset[Any]:
+  """The mesh axes a `shard_map` equation is manual over (`jax.shard_map`'s `axis_names`).
+
+  jax 0.10 renamed the parameter from `manual_axes` to `newly_manual_axes`.
+  """
+  if "newly_manual_axes" in params:
+    return frozenset(params["newly_manual_axes"])
+  return frozenset(params["manual_axes"])  # jax < 0.10
+
+
+def shard_map_check_vma(params: dict[str, Any]) -> bool:
+  """A `shard_map` equation's `check_vma` (called `check_rep` before jax 0.7)."""
+  return bool(params.get("check_vma", params.get("check_rep", True)))
+
+
+def bind_params(eqn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+  """`(subfuns, params)` to re-bind a jaxpr equation's primitive, as `eval_jaxpr` does.
+
+  `Primitive.get_bind_params` returned that pair up to jax 0.7; since jax 0.8
+  it returns the params alone, holding the subfunctions under 'subfuns'.
+  """
+  out = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(out, tuple):
+    return tuple(out[0]), out[1]  # jax < 0.8
+  return (), out
+
+
+def eqn_context(eqn: Any) -> contextlib.AbstractContextManager[Any]:
+  """The context `jax.core.eval_jaxpr` binds an equation in: its name stack and its ctx.
+
+  Keeps the HLO metadata (Flax module paths, `jax.named_scope`) of re-bound
+  equations. Private in every supported release (`jax._src.source_info_util`).
+  """
+  stack = contextlib.ExitStack()
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  stack.enter_context(source_info_util.user_context(None, name_stack=name_stack))
+  manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+  if manager is not None:
+    stack.enter_context(manager)
+  return stack

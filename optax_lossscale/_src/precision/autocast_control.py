@@ -1,0 +1,177 @@
+"""`autocast` rules for the primitives that hold jaxprs: jit, remat, cond, loops, custom rules.
+
+One idea serves them all: a sub-jaxpr becomes a Python function that runs the
+interpreter on it (`ctx.eval`), and the public JAX function that made the
+primitive (`jax.checkpoint`, `lax.switch`, `lax.scan`, `lax.while_loop`,
+`jax.custom_jvp`, `jax.shard_map`) is called again with it, so JAX re-derives
+the types. What the interpreter changes is a sub-jaxpr's dtypes, and some
+primitives need types to agree:
+
+- the branches of a `cond` return the same types: each output is promoted to
+  its widest dtype over the branches;
+- a loop's carry keeps its type: it starts in the dtype it arrives in, and is
+  promoted until the body returns what it receives (a fixed point, reached in
+  at most two rounds since dtypes only widen);
+- a `custom_jvp` rule returns its function's types: the rule's jaxpr (JAX's,
+  for the declared types) runs through the interpreter too, and its outputs
+  are cast to what the interpreted function returns. Custom rules are kept.
+
+`jit` is inlined: its boundary is a compilation detail. A `custom_vjp`
+function runs as written (the `as_written` rule), body and rules unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_lossscale._src.precision import autocast_interpreter as interp
+from optax_lossscale._src.utils import compat
+
+_MAX_ROUNDS = 4
+
+
+def inline(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`jit` and the call primitives: the inner jaxpr evaluated in place."""
+  closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  if hasattr(closed, "consts"):
+    return ctx.eval_closed(closed, invals)
+  return ctx.eval(closed, (), invals)
+
+
+def remat(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`jax.checkpoint`: the same rematerialization policy around the interpreted body."""
+  jaxpr = eqn.params["jaxpr"]
+  body = lambda *args: ctx.eval(jaxpr, (), args)
+  checkpointed = jax.checkpoint(
+    body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
+  )
+  return list(checkpointed(*invals))
+
+
+def cond(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`lax.cond` and `lax.switch`: branches whose outputs meet in their widest dtypes."""
+  index, *operands = invals
+  branches = [functools.partial(ctx.eval_closed, b) for b in eqn.params["branches"]]
+  per_branch = [_out_dtypes(lambda *ops, b=b: b(ops), operands) for b in branches]
+  dtypes = [_promote(*column) for column in zip(*per_branch, strict=True)]
+  fns = [lambda *ops, b=b: interp.cast_all(b(ops), dtypes) for b in branches]
+  return list(lax.switch(index, fns, *operands))
+
+
+def while_loop(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`lax.while_loop`, with the carry's dtypes at their fixed point."""
+  p = eqn.params
+  cond_consts, rest = _split(invals, p["cond_nconsts"])
+  body_consts, init = _split(rest, p["body_nconsts"])
+  body = lambda carry: ctx.eval_closed(p["body_jaxpr"], [*body_consts, *carry])
+  test = lambda carry: ctx.eval_closed(p["cond_jaxpr"], [*cond_consts, *carry])[0]
+  dtypes = _carry_dtypes(lambda carry: body(carry), init)
+  step = lambda carry: interp.cast_all(body(carry), dtypes)
+  return list(lax.while_loop(test, step, interp.cast_all(init, dtypes)))
+
+
+def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`lax.scan`, with the carry's dtypes at their fixed point."""
+  p = eqn.params
+  consts, rest = _split(invals, p["num_consts"])
+  init, xs = _split(rest, p["num_carry"])
+  num_carry = p["num_carry"]
+
+  def body(carry: Sequence[Any], x: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    out = ctx.eval_closed(p["jaxpr"], [*consts, *carry, *x])
+    return out[:num_carry], out[num_carry:]
+
+  def first(carry: Sequence[Any]) -> list[Any]:  # one step, for the carry's types
+    return body(carry, [x[0] for x in xs])[0]
+
+  dtypes = _carry_dtypes(first, init) if p["length"] else [interp.dtype_of(v) for v in init]
+
+  def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+    new, y = body(carry, x)
+    return interp.cast_all(new, dtypes), y
+
+  carry, ys = lax.scan(
+    step,
+    interp.cast_all(init, dtypes),
+    list(xs),
+    length=p["length"],
+    reverse=p["reverse"],
+    unroll=p["unroll"],
+  )
+  return [*carry, *ys]
+
+
+def custom_jvp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`jax.custom_jvp`: the body interpreted, the rule kept (and interpreted alike)."""
+  p = eqn.params
+  consts, args = _split(invals, p["num_consts"])
+  fun = lambda *a: ctx.eval_closed(p["call_jaxpr"], [*consts, *a])
+  dtypes = _out_dtypes(fun, args)
+  new = jax.custom_jvp(fun)
+
+  def rule(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
+    jaxpr, rule_consts, out_zeros = compat.custom_jvp_rule_jaxpr(p, len(primals))
+    outs = ctx.eval(jaxpr, rule_consts, [*primals, *tangents])
+    primals_out = interp.cast_all(outs[: len(out_zeros)], dtypes)
+    nonzero = iter(outs[len(out_zeros) :])
+    tangents_out = [
+      jnp.zeros_like(x) if zero else interp.cast(next(nonzero), interp.dtype_of(x))
+      for x, zero in zip(primals_out, out_zeros, strict=True)
+    ]
+    return primals_out, tangents_out
+
+  new.defjvp(rule)
+  return list(new(*args))
+
+
+def shard_map(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`jax.shard_map`: the same mesh, specs and checks around the interpreted body."""
+  p = eqn.params
+  body = lambda *args: tuple(ctx.eval(p["jaxpr"], (), args))
+  mapped = jax.shard_map(
+    body,
+    mesh=p["mesh"],
+    in_specs=p["in_specs"],
+    out_specs=p["out_specs"],
+    check_vma=compat.shard_map_check_vma(p),
+    axis_names=compat.shard_map_manual_axes(p),
+  )
+  return list(mapped(*invals))
+
+
+# -- helpers.
+
+
+def _split(values: Sequence[Any], n: int) -> tuple[list[Any], list[Any]]:
+  return list(values[:n]), list(values[n:])
+
+
+def _out_dtypes(fun: Callable[..., Sequence[Any]], args: Sequence[Any]) -> list[np.dtype]:
+  """The dtypes `fun(*args)` returns, traced abstractly (trace time only)."""
+  return [np.dtype(s.dtype) for s in jax.eval_shape(lambda *a: list(fun(*a)), *args)]
+
+
+def _promote(*dtypes: np.dtype) -> np.dtype:
+  """The dtype several floating dtypes meet in; a non-floating one stays as it is."""
+  if not all(jnp.issubdtype(d, jnp.inexact) for d in dtypes):
+    return dtypes[0]
+  return np.dtype(functools.reduce(jnp.promote_types, dtypes))
+
+
+def _carry_dtypes(body: Callable[[list[Any]], Sequence[Any]], init: Sequence[Any]) -> list[Any]:
+  """The carry dtypes at which `body` returns what it receives: start as `init`, widen."""
+  dtypes = [interp.dtype_of(v) for v in init]
+  for _ in range(_MAX_ROUNDS):
+    outs = _out_dtypes(lambda *c, d=dtypes: body(interp.cast_all(c, d)), init)
+    wider = [_promote(d, o) for d, o in zip(dtypes, outs, strict=True)]
+    if wider == dtypes:
+      return dtypes
+    dtypes = wider
+  raise AssertionError(f"autocast: a loop carry's dtypes did not settle: {dtypes}")
