@@ -20,7 +20,7 @@ PUBLIC_MODULES = {
   "optax_lossscale.equinox": ROOT / "optax_lossscale" / "equinox.py",
 }
 _DIRECTIVE = re.compile(
-  r"^\.\. (currentmodule|auto(?:function|class|exception)|autosummary)::\s*(\S*)"
+  r"^\.\. (currentmodule|auto(?:function|class|exception|data)|autosummary)::\s*(\S*)"
 )
 
 

@@ -144,3 +144,19 @@ def test_skip_bad_steps_step_runs_no_package_python(make_tx, fused):
       return optax.apply_updates(params, updates), state
 
   assert _package_functions(step, params, tx.init(params), grads) == []
+
+
+@pytest.mark.parametrize("policy", ["p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32"])
+def test_an_autocast_train_step_runs_no_package_python(policy):
+  # autocast works when the step is traced: the compiled step calls none of it.
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3))
+  params, _ = _problem()
+  x = jnp.ones((5, 4))
+  loss = ols.autocast(lambda p, x: jnp.mean(jax.nn.softmax(x @ p["w"] + p["b"]) ** 2), policy)
+
+  @jax.jit
+  def step(params, state, x):
+    _, grads = ols.value_and_grad(loss)(state, params, x)
+    return ols.apply_gradients(tx, grads, state, params)
+
+  assert _package_functions(step, params, tx.init(params), x) == []

@@ -60,6 +60,8 @@ class _DtypeNames(Mapping):
     return len(_NAMES)
 
 
+#: jmp's table of dtype names (first name first), for code that reads it; any
+#: spelling of a dtype finds its entry (`jnp.float16`, `np.dtype('float16')`).
 dtype_to_names: Mapping[Any, tuple[str, ...]] = _DtypeNames()
 
 
