@@ -1,7 +1,7 @@
 """Why float16 training needs loss scaling, shown on handwritten digits.
 
 Trains the same small MLP on scikit-learn's bundled digits (8x8 images, no
-download) in three settings, all from the same initial parameters:
+download) in five settings, all from the same initial parameters:
 
 * ``float32``: float32 parameters, activations and gradients (the reference).
 * ``float16``: float32 master parameters, cast to float16 inside the loss, so
@@ -15,6 +15,10 @@ download) in three settings, all from the same initial parameters:
 * ``float16 + scaling + retry``: the same, with ``ols.retry_on_overflow``:
   an overflowing step is recomputed on the same batch at a backed-off scale
   instead of skipped, so no batch is lost.
+* ``float16 autocast + scaling``: the float32 model, no hand cast, run through
+  ``ols.autocast(..., "p=f32,c=f16,o=f32")``: the products (forward and
+  backward) take float16 inputs, the softmax and the sums run in float32,
+  with the same loss scaling.
 
 The objective is the summed cross-entropy divided by ``LOSS_NORMALIZER = 2**20``,
 about a million: the number of tokens a language-model batch averages over.
@@ -67,12 +71,13 @@ class Data(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-  """One of the three training settings."""
+  """One of the training settings."""
 
   name: str
   compute_dtype: Any
   loss_scaling: bool
   retry: bool = False  # retry an overflow on the same batch (ols.retry_on_overflow)
+  autocast: bool = False  # the float32 model through ols.autocast(..., POLICY), no hand cast
 
 
 SETTINGS = (
@@ -80,7 +85,9 @@ SETTINGS = (
   Setting("float16", jnp.float16, loss_scaling=False),
   Setting("float16 + loss scaling", jnp.float16, loss_scaling=True),
   Setting("float16 + scaling + retry", jnp.float16, loss_scaling=True, retry=True),
+  Setting("float16 autocast + scaling", jnp.float16, loss_scaling=True, autocast=True),
 )
+POLICY = "p=f32,c=f16,o=f32"  # the autocast row's: float32 params, float16 compute
 
 
 @dataclasses.dataclass
@@ -178,16 +185,19 @@ StepFn = Callable[[Params, Any], tuple[Params, Any, dict[str, jax.Array]]]
 def make_train_step(setting: Setting, tx: optax.GradientTransformation, data: Data) -> StepFn:
   """Builds the jitted full-batch training step of one setting."""
   x, y, dtype = data.train_x, data.train_y, setting.compute_dtype
+  loss = objective
+  if setting.autocast:  # the float32 model; autocast decides each op's dtype
+    loss, dtype = ols.autocast(objective, POLICY), jnp.float32
 
   @jax.jit
   def train_step(params: Params, opt_state: Any) -> tuple[Params, Any, dict[str, jax.Array]]:
     if setting.retry:
-      retrying = ols.retry_on_overflow(ols.value_and_grad(objective), max_retries=8)
+      retrying = ols.retry_on_overflow(ols.value_and_grad(loss), max_retries=8)
       _, grads, opt_state = retrying(opt_state, params, x, y, dtype)
       scale = ols.get_loss_scale(opt_state)()  # the scale the gradients were computed at
     elif setting.loss_scaling:
       scale = ols.get_loss_scale(opt_state)()
-      grads = jax.grad(lambda p: ols.get_scaled_loss(objective(p, x, y, dtype), opt_state))(params)
+      grads = jax.grad(lambda p: ols.get_scaled_loss(loss(p, x, y, dtype), opt_state))(params)
     else:
       scale = jnp.float32(1)
       grads = jax.grad(objective)(params, x, y, dtype)
@@ -207,9 +217,13 @@ def make_train_step(setting: Setting, tx: optax.GradientTransformation, data: Da
   return train_step
 
 
-def accuracy(params: Params, x: jax.Array, y: jax.Array, dtype: Any) -> float:
-  """Fraction of `x` classified correctly, with the forward pass in `dtype`."""
-  return float(jnp.mean(jnp.argmax(mlp(params, x, dtype), axis=-1) == y))
+def accuracy(params: Params, x: jax.Array, y: jax.Array, setting: Setting) -> float:
+  """Fraction of `x` classified correctly, with the forward pass of `setting`."""
+  if setting.autocast:
+    logits = ols.autocast(mlp, POLICY)(params, x, jnp.float32)
+  else:
+    logits = mlp(params, x, setting.compute_dtype)
+  return float(jnp.mean(jnp.argmax(logits, axis=-1) == y))
 
 
 def train(setting: Setting, data: Data, steps: int, seed: int, progress: Any) -> RunResult:
@@ -234,7 +248,7 @@ def train(setting: Setting, data: Data, steps: int, seed: int, progress: Any) ->
     retries=int(np.sum(history["retries"])),
     underflow=history["underflow"].tolist() if has_fp16 else None,
     final_loss=float(cross_entropy(params, data.train_x, data.train_y, jnp.float32)),
-    test_accuracy=accuracy(params, data.test_x, data.test_y, setting.compute_dtype),
+    test_accuracy=accuracy(params, data.test_x, data.test_y, setting),
     final_loss_scale=float(final_scale),
   )
 
@@ -277,6 +291,7 @@ def plot(results: Sequence[RunResult], path: pathlib.Path) -> None:
     "float16": "-",
     "float16 + loss scaling": "--",
     "float16 + scaling + retry": ":",
+    "float16 autocast + scaling": "-.",
   }
   for r in results:
     ax_loss.plot(r.losses, styles[r.name], label=r.name)
@@ -322,7 +337,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> list[RunResult]:
-  """Runs the three settings, prints the table and writes demo.png and demo.json."""
+  """Runs the settings, prints the table and writes demo.png and demo.json."""
   from tqdm import tqdm
 
   args = parse_args(argv)

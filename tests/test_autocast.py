@@ -417,3 +417,37 @@ def test_equinox_filter_value_and_grad():
   names = {e.primitive.name for e in equations(jaxpr)}
   assert "conv_general_dilated" in names
   assert set(matmul_inputs(jaxpr)) == {("float16", "float16")}
+
+
+def test_nnx_attention_runs_in_float16_on_cpu_where_a_hand_cast_model_fails():
+  nnx = pytest.importorskip("flax.nnx")
+  if jax.default_backend() != "cpu":
+    pytest.skip("the missing dot algorithm (F16_F16_F32) is XLA:CPU's")
+  kw = {"num_heads": 2, "in_features": 8, "qkv_features": 8, "decode": False}
+  x = jax.random.normal(jax.random.key(0), (2, 4, 8))
+  hand_cast = nnx.MultiHeadAttention(**kw, dtype=jnp.float16, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="F16_F16_F32"):
+    jax.jit(lambda x: hand_cast(x))(x.astype(jnp.float16))
+  model = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+  mixed = ols.autocast(lambda m, x: m(x), "p=f32,c=f16,o=f32")
+  got = nnx.jit(mixed)(model, x)
+  np.testing.assert_allclose(got, model(x), rtol=2e-2, atol=2e-3)
+  jaxpr = jax.make_jaxpr(lambda x: mixed(model, x))(x)
+  assert set(matmul_inputs(jaxpr)) == {("float16", "float16")}
+
+
+def test_the_guide_lists_the_rules_of_the_table():
+  # docs/guides/mixed_precision.md's table names the same primitives as the code.
+  import pathlib
+  import re
+
+  from optax_lossscale._src.precision import autocast_rules
+
+  page = pathlib.Path(__file__).resolve().parents[1] / "docs/guides/mixed_precision.md"
+  rows = {
+    line.split("|")[1].strip(): set(re.findall(r"`(\w+)`", line.split("|")[2]))
+    for line in page.read_text().splitlines()
+    if line.startswith("| compute") or line.startswith("| float32")
+  }
+  assert rows["compute"] == set(autocast_rules.COMPUTE)
+  assert rows["float32"] == set(autocast_rules.FLOAT32) | {"div"}

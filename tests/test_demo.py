@@ -54,7 +54,7 @@ def test_table_prints_the_numbers_of_the_run(demo_run):
 
 
 def test_unscaled_float16_loses_gradients_and_scaled_tracks_float32(demo_run):
-  _, (f32, f16, scaled, _) = demo_run
+  _, (f32, f16, scaled, _, _) = demo_run
   assert f32.underflow is None
   # Without scaling float16 flushes a real share of the gradient entries to
   # zero at every step; with the scale it keeps (almost) all of them. How much
@@ -72,13 +72,13 @@ def test_unscaled_float16_loses_gradients_and_scaled_tracks_float32(demo_run):
   reason="magnitudes of XLA:CPU's float16 arithmetic (a GPU fusion loses fewer entries)",
 )
 def test_on_cpu_the_lost_signal_slows_the_loss(demo_run):
-  _, (f32, f16, _, _) = demo_run
+  _, (f32, f16, _, _, _) = demo_run
   assert min(f16.underflow) > 0.01
   assert f16.final_loss > 1.1 * f32.final_loss
 
 
 def test_loss_scale_follows_the_dynamic_schedule(demo_run):
-  _, (f32, f16, scaled, retried) = demo_run
+  _, (f32, f16, scaled, retried, _) = demo_run
   assert f32.loss_scales == f16.loss_scales == [1.0] * STEPS
   # No overflow this early: the retrying run is the same run, with no retry.
   assert retried.loss_scales == scaled.loss_scales and retried.retries == 0
@@ -105,3 +105,13 @@ def test_rejects_nonpositive_steps(capsys):
   with pytest.raises(SystemExit):
     demo.parse_args(["--steps", "0"])
   assert "--steps must be a positive integer; got 0" in capsys.readouterr().err
+
+
+def test_autocast_row_tracks_float32_without_a_hand_cast(demo_run):
+  _, (f32, f16, scaled, _, mixed) = demo_run
+  # The float32 model through autocast keeps (almost) every gradient entry, as
+  # the hand-cast scaled run does, and trains like float32.
+  assert mixed.mean_underflow < f16.mean_underflow / 20
+  np.testing.assert_allclose(mixed.losses, f32.losses, rtol=5e-3)
+  assert abs(mixed.test_accuracy - f32.test_accuracy) <= 0.01
+  assert mixed.loss_scales == scaled.loss_scales  # the same scale schedule

@@ -39,7 +39,26 @@ Rule = Callable[["Context", Any, list[Any]], list[Any]]
 
 
 class UnknownPrimitiveError(NotImplementedError):
-  """`autocast` met a primitive it has no rule for."""
+  """`autocast` met a primitive it has no rule for; the message names it.
+
+  Raised when the function is traced, never as a silent float32 fallback.
+  `autocast(fun, policy, rules={name: kind})` gives the primitive a rule.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> halve_p = jax.extend.core.Primitive('halve')
+    >>> _ = halve_p.def_impl(lambda x: x / 2)
+    >>> _ = halve_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    >>> f = lambda x: halve_p.bind(x @ x)
+    >>> try:
+    ...   ols.autocast(f, 'c=f16')(jnp.ones((2, 2)))
+    ... except ols.UnknownPrimitiveError as e:
+    ...   print(str(e).split(',')[0])
+    autocast has no rule for the primitive 'halve'
+    >>> ols.autocast(f, 'c=f16', rules={'halve': 'widest'})(jnp.ones((2, 2))).dtype
+    dtype('float16')
+  """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,12 @@ class _DtypeNames(Mapping):
 
   jmp keys its table by `jnp.float32` and friends, so `np.dtype('float32')`
   (what `x.dtype` gives) is not found there; here every key is normalised.
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> import optax_lossscale as ols
+    >>> ols.dtype_to_names[jnp.bfloat16], ols.dtype_to_names[np.dtype('float32')]
+    (('bf16', 'bfloat16'), ('full', 'f32', 'float32'))
   """
 
   def __getitem__(self, dtype: Any) -> tuple[str, ...]:
@@ -71,6 +77,9 @@ def half_dtype() -> np.dtype:
   As jmp's `half_dtype`, it asks the first local device, so it initialises the
   backend.
 
+  Returns:
+    `np.dtype(jnp.bfloat16)` on TPU, `np.dtype(jnp.float16)` elsewhere.
+
   Example:
     >>> import jax.numpy as jnp
     >>> import optax_lossscale as ols
@@ -83,6 +92,12 @@ def half_dtype() -> np.dtype:
 
 def parse_dtype(value: str) -> np.dtype:
   """A dtype from one of jmp's names: `full`, `half`, `f32`, `float16`, `bf16`, ...
+
+  Args:
+    value: the name.
+
+  Returns:
+    The `np.dtype`.
 
   Raises:
     ValueError: the name is unknown; the message lists the accepted names.
@@ -245,6 +260,12 @@ def get_policy(policy_name: str | Policy) -> Policy:
 def cast_to_full(tree: T) -> T:
   """Casts the floating array leaves of `tree` to float32 (jmp's `cast_to_full`).
 
+  Args:
+    tree: any pytree; integer, bool, `float0` and non-array leaves pass through.
+
+  Returns:
+    `tree` with its floating arrays in float32.
+
   Example:
     >>> import jax.numpy as jnp
     >>> import optax_lossscale as ols
@@ -256,6 +277,12 @@ def cast_to_full(tree: T) -> T:
 
 def cast_to_half(tree: T) -> T:
   """Casts the floating array leaves of `tree` to `half_dtype()` (jmp's `cast_to_half`).
+
+  Args:
+    tree: any pytree; integer, bool, `float0` and non-array leaves pass through.
+
+  Returns:
+    `tree` with its floating arrays in the backend's half precision.
 
   Example:
     >>> import jax.numpy as jnp
