@@ -11,8 +11,9 @@
 # the branch on the device; then the GPU-size LM (186M parameters) alone, with
 # the finiteness-read floor (--gpu-size). Writes gpu.json/png,
 # gpu-cmdbuf.json/png, gpu-large.json, BENCHMARKS-gpu.md (three result blocks)
-# and dispatch.txt (Python per dispatched call) into OUT_DIR.
-# PARTS picks some of "default cmdbuf large dispatch" (each under 10 minutes).
+# and dispatch.txt (Python per dispatched call) into OUT_DIR; autocast.json/md:
+# float32, hand-cast and autocast float16/bfloat16 train steps of the 186M LM.
+# PARTS picks some of "default cmdbuf large dispatch autocast" (each under 10 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${1:-${OUT:-benchmarks/results}}"
@@ -26,7 +27,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -c "import jax; print(jax.devices())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 md="$out_dir/BENCHMARKS-gpu.md"
-for part in ${PARTS:-default cmdbuf large dispatch}; do
+for part in ${PARTS:-default cmdbuf large dispatch autocast}; do
   case "$part" in
     default) "$py" -m benchmarks.run --out "$out_dir" --markdown "$md" --gpu-size \
       --only optimizer,train,skip "${@:2}" ;;
@@ -38,6 +39,8 @@ for part in ${PARTS:-default cmdbuf large dispatch}; do
       "$py" -m benchmarks.run --out "$out_dir" --markdown "$md" --gpu-size --only large \
       --tag large "${@:2}" ;;
     dispatch) "$py" -m benchmarks.dispatch_overhead | tee "$out_dir/dispatch.txt" ;;
-    *) echo "unknown part $part (default, cmdbuf, large, dispatch)" >&2; exit 2 ;;
+    autocast) "$py" -m benchmarks.autocast_bench --gpu-size --steps 100 \
+      --out "$out_dir/autocast.json" | tee "$out_dir/autocast.md" ;;
+    *) echo "unknown part $part (default, cmdbuf, large, dispatch, autocast)" >&2; exit 2 ;;
   esac
 done

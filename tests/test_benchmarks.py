@@ -214,3 +214,18 @@ def test_the_measurement_scripts_run(module, argv, expected, capsys):
   pytest.importorskip("sklearn")
   importlib.import_module(f"benchmarks.{module}").main(argv)
   assert re.search(expected, capsys.readouterr().out)
+
+
+@pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")
+def test_autocast_benchmark_counts_the_16_bit_matmul_flops():
+  from benchmarks import autocast_bench
+
+  report = autocast_bench.main(["--quick"])
+  rows = report["variants"]
+  assert list(rows) == list(autocast_bench.VARIANTS)
+  assert rows["float32"]["half_flop_share"] == 0.0
+  for name in autocast_bench.VARIANTS[1:]:  # forward and backward products, all 16-bit
+    assert rows[name]["half_flop_share"] == 1.0, name
+    assert rows[name]["converts"] > rows["float32"]["converts"]
+  flops = {r["matmul_gflops"] for r in rows.values()}
+  assert len(flops) == 1  # the same products, counted alike in every variant
