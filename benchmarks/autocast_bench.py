@@ -79,9 +79,13 @@ def batches(text: np.ndarray, steps: int, batch: int, seq: int, seed: int) -> li
   return [jnp.asarray(w, jnp.int32) for w in windows]
 
 
+def _compute_dtype(name: str) -> str:
+  return name.rpartition(" ")[2]  # "autocast bfloat16" -> "bfloat16"
+
+
 def make_variant(name: str, loss_fn: Callable[..., Any]) -> tuple[Any, Callable[..., Any]]:
   """`(tx, step)` of one variant; `step(params, state, tokens) -> (params, state, loss)`."""
-  half = jnp.float16 if "float16" in name else jnp.bfloat16
+  half = jnp.dtype(_compute_dtype(name))
   policy = ols.Policy(jnp.float32, half, jnp.float32)
   if name == "float32":
     tx = optax.adam(LEARNING_RATE)
@@ -202,6 +206,7 @@ def measure(lm: dict[str, int], steps: int, rounds: int, seed: int) -> dict[str,
     "seed": seed,
     "jax": jax.__version__,
     "variants": results,
+    "compute_dtypes": {name: _compute_dtype(name) for name in VARIANTS},
   }
 
 

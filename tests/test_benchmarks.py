@@ -229,3 +229,11 @@ def test_autocast_benchmark_counts_the_16_bit_matmul_flops():
     assert rows[name]["converts"] > rows["float32"]["converts"]
   flops = {r["matmul_gflops"] for r in rows.values()}
   assert len(flops) == 1  # the same products, counted alike in every variant
+  # float16 rows are loss-scaled (their state counts skips), bfloat16 rows are not.
+  assert report["compute_dtypes"] == {
+    "float32": "float32",
+    "hand-cast float16": "float16",
+    "autocast float16": "float16",
+    "hand-cast bfloat16": "bfloat16",
+    "autocast bfloat16": "bfloat16",
+  }

@@ -23,6 +23,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
@@ -46,6 +47,11 @@ def _check_rules(rules: Mapping[str, str] | None) -> dict[str, interp.Rule]:
       )
     checked[name] = interp.KINDS[kind]
   return checked
+
+
+def _is_real_float(x: Any) -> bool:
+  """Floating and real: complex outputs keep their dtype (a cast would drop the imaginary part)."""
+  return interp.is_float(x) and jnp.issubdtype(interp.dtype_of(x), jnp.floating)
 
 
 def _is_array(x: Any) -> bool:

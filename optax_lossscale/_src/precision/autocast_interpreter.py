@@ -227,26 +227,16 @@ def compute(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
   ops = [cast(v, c) for v in invals]
   if c.itemsize >= 4:
     return [eqn.primitive.bind(*ops, **{**params, "preferred_element_type": c})]
-  return [_matmul(eqn.primitive, _Frozen(params), c)(*ops)]
-
-
-class _Frozen(dict):
-  """The parameters of an equation as a hashable key for `_matmul`'s cache."""
-
-  def __hash__(self) -> int:  # type: ignore[override]
-    return hash(tuple(sorted((k, _hashable(v)) for k, v in self.items())))
-
-
-def _hashable(value: Any) -> Any:
   try:
-    hash(value)
-  except TypeError:
-    return id(value)
-  return value
+    key = tuple(sorted(params.items()))
+    hash(key)
+  except TypeError:  # an unhashable parameter: build the product uncached
+    return [_matmul.__wrapped__(eqn.primitive, tuple(params.items()), c)(*ops)]
+  return [_matmul(eqn.primitive, key, c)(*ops)]
 
 
 @functools.lru_cache(maxsize=512)
-def _matmul(primitive: Any, params: _Frozen, c: np.dtype) -> Callable[..., Any]:
+def _matmul(primitive: Any, items: tuple[tuple[str, Any], ...], c: np.dtype) -> Callable[..., Any]:
   """`primitive` on compute-dtype inputs, accumulated in float32, as a `custom_jvp`.
 
   Forward: the product with `preferred_element_type=float32`, rounded to the
@@ -259,6 +249,8 @@ def _matmul(primitive: Any, params: _Frozen, c: np.dtype) -> Callable[..., Any]:
   backend accumulates compute-dtype products (float32 on CPU, GPU and TPU
   matrix units; checked on CPU in `tests/test_autocast.py`).
   """
+
+  params = dict(items)
 
   def product(*ops: Any, preferred: Any) -> Any:
     return primitive.bind(*ops, **{**params, "preferred_element_type": preferred})

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-T = TypeVar("T")
 
 # jmp's names, first name first: `str(policy)` writes the first one.
 _NAMES: dict[np.dtype, tuple[str, ...]] = {
@@ -126,7 +124,7 @@ def _as_dtype(argument: str, value: Any) -> np.dtype:
   return dtype
 
 
-def _cast_floating_to(tree: T, dtype: np.dtype) -> T:
+def _cast_floating_to(tree: Any, dtype: np.dtype) -> Any:
   """`tree` with its floating array leaves cast to `dtype`; other leaves pass through.
 
   Integer, bool, `float0` and non-array leaves (Python numbers, objects) are
@@ -178,15 +176,15 @@ class Policy:
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
       object.__setattr__(self, field, _as_dtype(field, getattr(self, field)))
 
-  def cast_to_param(self, x: T) -> T:
+  def cast_to_param(self, x: Any) -> Any:
     """Casts the floating array leaves of `x` to the param dtype."""
     return _cast_floating_to(x, self.param_dtype)
 
-  def cast_to_compute(self, x: T) -> T:
+  def cast_to_compute(self, x: Any) -> Any:
     """Casts the floating array leaves of `x` to the compute dtype."""
     return _cast_floating_to(x, self.compute_dtype)
 
-  def cast_to_output(self, x: T) -> T:
+  def cast_to_output(self, x: Any) -> Any:
     """Casts the floating array leaves of `x` to the output dtype."""
     return _cast_floating_to(x, self.output_dtype)
 
@@ -257,7 +255,7 @@ def get_policy(policy_name: str | Policy) -> Policy:
   return Policy(param, compute, output)
 
 
-def cast_to_full(tree: T) -> T:
+def cast_to_full(tree: Any) -> Any:
   """Casts the floating array leaves of `tree` to float32 (jmp's `cast_to_full`).
 
   Args:
@@ -275,7 +273,7 @@ def cast_to_full(tree: T) -> T:
   return _cast_floating_to(tree, np.dtype(np.float32))
 
 
-def cast_to_half(tree: T) -> T:
+def cast_to_half(tree: Any) -> Any:
   """Casts the floating array leaves of `tree` to `half_dtype()` (jmp's `cast_to_half`).
 
   Args:
