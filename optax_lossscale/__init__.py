@@ -11,6 +11,7 @@ from optax_lossscale._src.diagnostics.scale_advisor import ScaleAdvice, suggest_
 from optax_lossscale._src.loss_scales.dynamic_loss_scale import DynamicLossScale
 from optax_lossscale._src.loss_scales.loss_scale import FixedLossScale, LossScale, NoOpLossScale
 from optax_lossscale._src.loss_scales.serialization import deserialize, get, serialize
+from optax_lossscale._src.loss_scales.skipping_fixed_loss_scale import SkippingFixedLossScale
 from optax_lossscale._src.step.apply_gradients import apply_gradients
 from optax_lossscale._src.utils.tree_utils import all_finite, select_tree
 from optax_lossscale._src.wrappers.grad import value_and_grad
@@ -30,6 +31,7 @@ from optax_lossscale._src.wrappers.state_access import (
   get_loss_scale,
   get_scaled_loss,
   get_unscaled_gradients,
+  inner_state,
   metrics,
 )
 from optax_lossscale._src.wrappers.state_conversion import convert_state
@@ -49,6 +51,7 @@ __all__ = (
   "ScaleAdvice",
   "SkipBadSteps",
   "SkipBadStepsState",
+  "SkippingFixedLossScale",
   "all_finite",
   "apply_gradients",
   "check_composition",
@@ -60,6 +63,7 @@ __all__ = (
   "get_scaled_loss",
   "get_unscaled_gradients",
   "gradient_report",
+  "inner_state",
   "loss_scale_optimizer",
   "metrics",
   "retry_on_overflow",
