@@ -171,7 +171,7 @@ def _scheduled_hyperparams(frame: types.FrameType) -> list[str]:
 
 
 def _inject_warning(kind: str, frame: types.FrameType) -> str | None:
-  """The warning for a skipping wrapper inside an `inject_hyperparams` frame, if it has schedules."""
+  """The warning for a skipping wrapper in an `inject_hyperparams` frame with schedules, or None."""
   names = _scheduled_hyperparams(frame)
   if not names:
     return None  # constant hyper-parameters: nothing counts the steps

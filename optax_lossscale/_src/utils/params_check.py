@@ -99,8 +99,7 @@ def check_params_are_arrays(params: Any, where: str) -> None:
         raise TypeError(
           f"{where} got params with a leaf that is not an array, at {where_leaf} (a"
           f" Python {type(leaf).__name__}, a field of {held_by}): a setting of the model"
-          " such as a dropout rate or a flag, which the optimizer would change."
-          + _HINT
+          " such as a dropout rate or a flag, which the optimizer would change." + _HINT
         )
     if _is_array_like(leaf):
       continue
