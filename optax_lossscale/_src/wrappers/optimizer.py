@@ -342,7 +342,11 @@ def loss_scale_optimizer(
   the scaled gradients), and a skipping one inside `optax.apply_if_finite`,
   `optax.MultiSteps`, `optax.masked` or `optax.multi_transform`; the
   construction, `init` or the first `update` raises, whichever first can
-  see it.
+  see it. Two compositions around a skipping wrapper run but count skipped
+  steps as taken, and warn (once per trace): a stateful transformation after
+  it in a chain, and `optax.inject_hyperparams` with a schedule around it
+  (put `inject_hyperparams` inside: `loss_scale_optimizer(
+  optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))`).
 
   For gradient accumulation wrap `optax.MultiSteps` (pass
   `optax.MultiSteps(inner, k).gradient_transformation()` as `inner`): each
