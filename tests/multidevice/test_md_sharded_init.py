@@ -3,7 +3,9 @@
 A plain `jax.jit(tx.init)(params)` with Auto axes does not shard the moments
 like FSDP-sharded parameters (bare optax neither); `optax.tree_map_params`
 gives `jit` the state's shardings: the moments inside the wrapper follow
-their parameters, the loss scale and the counters are replicated.
+their parameters, the loss scale and the counters are replicated. And a
+`SkippingFixedLossScale` agrees across `shard_map` shards, as the dynamic
+scale does (issue 25).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
 import optax
 
 import optax_lossscale as ols
@@ -69,3 +72,29 @@ def test_a_plain_jit_init_does_not_shard_the_moments_bare_or_wrapped():
   ):
     assert not moments["w"].sharding.is_equivalent_to(fsdp, 2)
     assert len(moments["w"].sharding.device_set) == 1
+
+
+def test_a_skipping_fixed_scale_skips_on_every_shard_with_axis_name():
+  # A NaN in one device's gradient shard: with axis_name, all 8 skip and count it.
+  mesh = jax.make_mesh((8,), ("d",))
+  on = lambda tree, spec: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec)), tree)
+  tx = ols.loss_scale_optimizer(optax.sgd(0.5), ols.SkippingFixedLossScale(4.0), axis_name="d")
+  params = on({"w": jnp.ones(16)}, P("d"))
+  state = on(tx.init(params), P())
+  grads = on({"w": jnp.full(16, 4.0).at[11].set(jnp.nan)}, P("d"))  # entry 11: device 5
+  specs = (jax.tree.map(lambda _: P("d"), params), jax.tree.map(lambda _: P(), state))
+  step = jax.jit(
+    jax.shard_map(
+      lambda g, s, p: ols.apply_gradients(tx, g, s, p),
+      mesh=mesh,
+      in_specs=(specs[0], specs[1], specs[0]),
+      out_specs=specs,
+    )
+  )
+  with jax.set_mesh(mesh):
+    new_params, state = step(grads, state, params)
+    np.testing.assert_array_equal(new_params["w"], params["w"])  # no shard applied
+    assert int(state.total_skips) == 1 and not bool(state.last_step_applied)
+    new_params, state = step(on({"w": jnp.full(16, 4.0)}, P("d")), state, params)
+  np.testing.assert_array_equal(new_params["w"], jnp.full(16, 0.5))  # 1 - 0.5 * 4 / 4
+  assert int(state.total_skips) == 1 and bool(state.last_step_applied)

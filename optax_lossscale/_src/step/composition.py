@@ -70,9 +70,9 @@ def _optax_codes() -> dict[types.CodeType, str]:
     "optax.apply_if_finite": optax.apply_if_finite(identity, 1),
     INJECT: optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
   }
-  if hasattr(optax, "inject_stateful_hyperparams"):  # its own functions before optax 0.2.8
+  if hasattr(optax, "inject_stateful_hyperparams"):  # in case its functions are its own
     with warnings.catch_warnings():
-      warnings.simplefilter("ignore", DeprecationWarning)  # deprecated since optax 0.2.8
+      warnings.simplefilter("ignore", DeprecationWarning)  # deprecated for inject_hyperparams
       examples[f"{INJECT}(stateful)"] = optax.inject_stateful_hyperparams(optax.sgd)(0.1)
   codes = {}
   for name, tx in examples.items():
