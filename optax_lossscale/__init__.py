@@ -11,6 +11,7 @@ from optax_lossscale._src.diagnostics.scale_advisor import ScaleAdvice, suggest_
 from optax_lossscale._src.loss_scales.dynamic_loss_scale import DynamicLossScale
 from optax_lossscale._src.loss_scales.loss_scale import FixedLossScale, LossScale, NoOpLossScale
 from optax_lossscale._src.loss_scales.serialization import deserialize, get, serialize
+from optax_lossscale._src.loss_scales.skipping_fixed_loss_scale import SkippingFixedLossScale
 from optax_lossscale._src.precision.autocast import autocast
 from optax_lossscale._src.precision.autocast_interpreter import UnknownPrimitiveError
 from optax_lossscale._src.precision.policy import (
@@ -40,6 +41,7 @@ from optax_lossscale._src.wrappers.state_access import (
   get_loss_scale,
   get_scaled_loss,
   get_unscaled_gradients,
+  inner_state,
   metrics,
 )
 from optax_lossscale._src.wrappers.state_conversion import convert_state
@@ -61,6 +63,7 @@ __all__ = (
   "SkipBadSteps",
   "SkipBadStepsState",
   "UnknownPrimitiveError",
+  "SkippingFixedLossScale",
   "all_finite",
   "apply_gradients",
   "autocast",
@@ -78,6 +81,7 @@ __all__ = (
   "get_unscaled_gradients",
   "gradient_report",
   "half_dtype",
+  "inner_state",
   "loss_scale_optimizer",
   "metrics",
   "retry_on_overflow",

@@ -71,26 +71,35 @@ class RetryTest(chex.TestCase):
     assert float(ols.get_loss_scale(state)()) == float(ols.get_loss_scale(plain)()) == 512.0
     assert int(ols.metrics(state)["total_skips"]) == 1
 
-  def test_gradients_that_stay_nan_keep_the_scale_they_came_with(self):
-    # d sqrt(w)/dw is Inf at 0, at every scale: the retries cannot help.
+  def test_gradients_that_stay_nan_with_a_finite_loss_leave_the_lowest_scale_tried(self):
+    # d sqrt(w)/dw is Inf at 0, at every scale: the retries cannot help. The loss
+    # is finite, so the halvings tried are kept (issue 25): the step leaves the
+    # state at the lowest scale tried, and the wrapper's skip backs off once more.
     loss_fn = lambda p: jnp.sum(jnp.sqrt(p["w"]))
     params = {"w": jnp.array([0.0, 1.0])}
     tx = ols.loss_scale_optimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**10))
-    _, _, state = ols.retry_on_overflow(ols.value_and_grad(loss_fn), max_retries=3)(
+    _, grads, state = ols.retry_on_overflow(ols.value_and_grad(loss_fn), max_retries=3)(
       tx.init(params), params
     )
-    assert float(ols.get_loss_scale(state)()) == 2.0**10  # not 2**7
-    assert int(ols.metrics(state)["retries"]) == 3  # the passes were made all the same
+    assert float(ols.get_loss_scale(state)()) == 2.0**7  # three halvings tried
+    assert int(ols.metrics(state)["retries"]) == 3
+    new_params, state = ols.apply_gradients(tx, grads, state, params)
+    chex.assert_trees_all_equal(new_params, params)
+    assert float(ols.get_loss_scale(state)()) == 2.0**6
+    assert int(ols.metrics(state)["total_skips"]) == 1
 
   def test_bounds_min_loss_scale_and_hysteresis(self):
     ls = ols.DynamicLossScale(2.0**20, min_loss_scale=2.0**16, hysteresis=2)
     tx = ols.loss_scale_optimizer(optax.sgd(0.1), ls)
     _, grads, state = ols.retry_on_overflow(ols.value_and_grad(f16_loss))(tx.init(PARAMS), PARAMS)
     # Each retry backs off once (two overflows for hysteresis=2); at the floor it
-    # stops, still overflowing, so the step keeps the scale it came with.
+    # stops, still overflowing, and leaves the state at the floor it reached.
     assert int(ols.metrics(state)["retries"]) == 4
-    assert float(ols.get_loss_scale(state)()) == 2.0**20
+    assert float(ols.get_loss_scale(state)()) == 2.0**16
     assert not bool(ols.all_finite(grads))
+    _, state = ols.apply_gradients(tx, grads, state, PARAMS)
+    assert float(ols.get_loss_scale(state)()) == 2.0**16  # skipped; no lower than the floor
+    assert int(ols.metrics(state)["total_skips"]) == 1
 
   def test_scan_retries_each_step_and_counts_the_total(self):
     tx = ols.loss_scale_optimizer(optax.sgd(0.01), ols.DynamicLossScale(2.0**24, 2))

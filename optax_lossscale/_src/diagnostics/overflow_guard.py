@@ -161,17 +161,18 @@ def check_options(
   record_nonfinite_leaves = validation.check_bool(
     "record_nonfinite_leaves", record_nonfinite_leaves
   )
-  if not loss_scale.dynamic and (max_consecutive_skips is not None or raise_at_min_loss_scale):
+  if not loss_scale.skips and (max_consecutive_skips is not None or raise_at_min_loss_scale):
     # Accepted (a config may switch the scale kind), but never silently.
     warnings.warn(
       f"max_consecutive_skips={max_consecutive_skips} / raise_at_min_loss_scale="
       f"{raise_at_min_loss_scale} have no effect with a {type(loss_scale).__name__}:"
-      " a fixed loss scale never skips a step, so the overflow guard can never"
-      " fire. Use a dynamic loss scale (loss_scale='dynamic') for the guard.",
+      " it never skips a step, so the overflow guard can never fire. Use a loss"
+      " scale that skips: a dynamic one (loss_scale='dynamic') or, for a constant"
+      " scale, SkippingFixedLossScale (max_consecutive_skips only).",
       UserWarning,
       stacklevel=3,
     )
-  if raise_at_min_loss_scale and loss_scale.dynamic and not hasattr(loss_scale, "min_loss_scale"):
+  if raise_at_min_loss_scale and loss_scale.skips and not hasattr(loss_scale, "min_loss_scale"):
     raise ValueError(
       "raise_at_min_loss_scale=True needs a loss scale with a min_loss_scale"
       f" (e.g. DynamicLossScale); got {type(loss_scale).__name__}."
@@ -237,7 +238,7 @@ def make_guard(
   compiler cannot prune it (a `pure_callback` whose result is unused is dead
   code).
   """
-  if not loss_scale.dynamic or (max_consecutive_skips is None and not raise_at_min_loss_scale):
+  if not loss_scale.skips or (max_consecutive_skips is None and not raise_at_min_loss_scale):
     return None
   min_loss_scale = getattr(loss_scale, "min_loss_scale", None) if raise_at_min_loss_scale else None
 

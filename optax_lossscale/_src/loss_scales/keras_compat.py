@@ -6,7 +6,9 @@ turns either into a `LossScale`.
 
 Keras 2 (`tf.keras.mixed_precision.LossScaleOptimizer`) and Keras 3
 (`keras.optimizers.LossScaleOptimizer`) configs differ from ours and from
-each other; `config_to_kwargs` accepts all three. Keras 3's constructor also
+each other, and so do their rules: Keras 2 follows TensorFlow (the scale
+never backs off below 1), Keras 3 halves the scale on every overflow with no
+floor. `config_to_kwargs` accepts all three and keeps each one's rule. Keras 3's constructor also
 takes the base optimizer's options (`weight_decay`, `clipnorm`, ...) and
 refuses them unless they keep their defaults, because they belong to the
 inner optimizer; here they belong to the inner optax transformation, and the
@@ -15,7 +17,11 @@ error names it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+import contextlib
 from typing import Any
+
+import numpy as np
 
 from optax_lossscale._src.loss_scales import dynamic_loss_scale, serialization
 from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
@@ -59,15 +65,62 @@ def check_keras_options(options: dict[str, Any]) -> None:
       )
 
 
+# Keras 3 halves without a floor; the scale is a float32, whose smallest normal
+# number is where halving stops being exact (below it, Keras 3 goes on through
+# the subnormals to 0, where every gradient is 0 or NaN).
+KERAS3_MIN_LOSS_SCALE = float(np.finfo(np.float32).tiny)
+_KERAS_NAMES = {
+  "initial_loss_scale": "initial_scale",
+  "loss_scale_value": "initial_scale",
+  "increment_period": "dynamic_growth_steps",
+}
+
+
+@contextlib.contextmanager
+def _keras_names() -> Iterator[None]:
+  """Errors of the loss scales' constructors, with Keras's keyword names."""
+  try:
+    yield
+  except ValueError as e:
+    message = str(e)
+    for internal, keyword in _KERAS_NAMES.items():
+      if message.startswith(internal):
+        raise ValueError(keyword + message[len(internal) :]) from None
+    raise
+
+
+def keras3_loss_scale(
+  initial_scale: float = 2**15, dynamic_growth_steps: int = 2000
+) -> dynamic_loss_scale.DynamicLossScale:
+  """Keras 3's rule: double after `dynamic_growth_steps` finite steps, halve on overflow, no floor.
+
+  A `DynamicLossScale` whose floor is float32's smallest normal number
+  (`KERAS3_MIN_LOSS_SCALE`, 2**-126): Keras 3's trajectory until then.
+  """
+  with _keras_names():
+    return dynamic_loss_scale.DynamicLossScale(
+      initial_scale,
+      increment_period=dynamic_growth_steps,
+      min_loss_scale=KERAS3_MIN_LOSS_SCALE,
+    )
+
+
+def is_keras3_config(config: dict[str, Any]) -> bool:
+  """Whether a wrapper config is Keras 3's: Keras 2 always writes `dynamic`, ours `loss_scale`."""
+  return "initial_scale" in config and not {"loss_scale", "dynamic"} & set(config)
+
+
 def config_to_kwargs(config: dict[str, Any]) -> dict[str, Any]:
   """`loss_scale_optimizer` keyword arguments from our, Keras 2's or Keras 3's config.
 
   Ours holds `loss_scale` (a serialized `LossScale`) and restates it in the
   keyword form; Keras 2's holds the keyword form (`dynamic`, `initial_scale`,
-  `dynamic_growth_steps`) or, in old configs, `loss_scale`; Keras 3's holds
-  `initial_scale` and `dynamic_growth_steps` (always dynamic) and `name`. The
-  serialized `inner_optimizer` of Keras's configs is dropped: the optax
-  transformation is passed again.
+  `dynamic_growth_steps`) or, in old configs, `loss_scale`, and gives
+  TensorFlow's rule; Keras 3's holds `initial_scale` and
+  `dynamic_growth_steps` (always dynamic, no `dynamic` key), `name` and the
+  base optimizer's options, and gives Keras 3's rule (`keras3_loss_scale`:
+  halving with no floor). The serialized `inner_optimizer` of Keras's
+  configs is dropped: the optax transformation is passed again.
   """
   if not isinstance(config, dict) or not {"loss_scale", "initial_scale"} & set(config):
     got = type(config).__name__ if not isinstance(config, dict) else f"keys {sorted(config)}"
@@ -78,7 +131,10 @@ def config_to_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     )
   # Keras's serialized inner optimizer ('optimizer' in pre-2.4 configs) and name.
   kwargs = {k: v for k, v in config.items() if k not in ("name", "inner_optimizer", "optimizer")}
-  if "loss_scale" in kwargs:
+  if is_keras3_config(config):
+    given = {k: kwargs.pop(k) for k in ("initial_scale", "dynamic_growth_steps") if k in kwargs}
+    kwargs["loss_scale"] = keras3_loss_scale(**{k: v for k, v in given.items() if v is not None})
+  elif "loss_scale" in kwargs:
     # Ours (or Keras 2's legacy form): the keyword form only restates it.
     for key in ("dynamic", "initial_scale", "dynamic_growth_steps"):
       kwargs.pop(key, None)
@@ -113,12 +169,7 @@ def resolve_loss_scale(
     dynamic = True
   validation.check_bool("dynamic", dynamic)
   # Keras's keyword names in the errors, not the loss scales' own.
-  renames = {
-    "initial_loss_scale": "initial_scale",
-    "loss_scale_value": "initial_scale",
-    "increment_period": "dynamic_growth_steps",
-  }
-  try:
+  with _keras_names():
     if dynamic:
       given = {"initial_loss_scale": initial_scale, "increment_period": dynamic_growth_steps}
       return dynamic_loss_scale.DynamicLossScale(
@@ -131,12 +182,6 @@ def resolve_loss_scale(
         f'"dynamic_growth_steps" must be None if "dynamic" is False; got {dynamic_growth_steps!r}.'
       )
     return loss_scale_lib.FixedLossScale(initial_scale)
-  except ValueError as e:
-    message = str(e)
-    for internal, keyword in renames.items():
-      if message.startswith(internal):
-        raise ValueError(keyword + message[len(internal) :]) from None
-    raise
 
 
 def keywords_agree(

@@ -3,7 +3,8 @@
 Loss scaling multiplies the loss by a factor `S` before differentiation, so that
 small float16 gradients do not underflow to zero, and divides the gradients by
 `S` afterwards. This module holds the common base class and the two static
-scales; `DynamicLossScale`, which adapts `S`, has a module of its own.
+scales that never skip a step; `SkippingFixedLossScale` (constant, skips
+non-finite steps) and `DynamicLossScale` (adapts `S`) have modules of their own.
 
 Every class is a pytree whose leaves are only the state that changes (for the
 dynamic scale: `loss_scale` as float32, `counter` and `hysteresis_tracker` as
@@ -160,8 +161,18 @@ class LossScale(types.SimpleNamespace, metaclass=_LossScaleType):
 
   @property
   def dynamic(self) -> bool:
-    """Whether `update` can change the scale and ask to skip a step."""
+    """Whether `update` can change the scale (Keras's `dynamic`)."""
     return False
+
+  @property
+  def skips(self) -> bool:
+    """Whether `update` can return `should_apply=False`, so that a step is skipped.
+
+    True for `DynamicLossScale` and `SkippingFixedLossScale`; False for
+    `FixedLossScale` (TensorFlow's rule: every step is applied) and
+    `NoOpLossScale`. By default, a subclass skips when it is `dynamic`.
+    """
+    return self.dynamic
 
   def __call__(self) -> jax.Array:
     """Returns the current loss scale as a float32 scalar array."""
@@ -292,8 +303,10 @@ class FixedLossScale(LossScale):
   """A loss scale with a constant value (TensorFlow's `FixedLossScale`).
 
   `update` never changes the scale and always returns `should_apply=True`,
-  even for non-finite gradients: a fixed scale cannot react to an overflow.
-  Use `DynamicLossScale` to skip overflowing steps.
+  even for non-finite gradients (TensorFlow's rule): `loss_scale_optimizer`
+  applies every step, NaN included. Use `SkippingFixedLossScale` for a
+  constant scale that skips non-finite steps (jmp's recipe), or
+  `DynamicLossScale` to skip them and back off.
 
   Args:
     loss_scale_value: the scale, a finite number >= 1.

@@ -11,6 +11,9 @@ silently wrong:
   skip_bad_steps inside MultiSteps                              one NaN stalls it for good
   skip_bad_steps watching the norm after a norm clipping        never sees a spike
   skip_bad_steps around loss_scale_optimizer, or inside another
+  a stateful transformation after a skipping wrapper (warned)   it advances on skipped steps
+  a skipping wrapper inside inject_hyperparams with a schedule  the schedule counts skipped
+    (warned)                                                    steps too
 
 A wrapper's arguments do not show what contains it, and the state cannot tell
 a harmless `optax.identity()` from a clipping (both have an empty state). So
@@ -20,6 +23,10 @@ which all its instances share, and its locals hold its parts. Only the frames
 of optax and of this package directly above the call are read, once per trace
 (never when a compiled step is called). A combinator this module does not
 know is not inspected; `composition_problem` then still reads the state.
+
+The warnings (a composition that may be meant) are given once per trace: a
+jitted update runs this Python once per trace, an eager one on every call, so
+eager calls warn once per wrapper (or `inject_hyperparams`) and message.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import sys
 import types
 from typing import Any
 import warnings
+import weakref
 
 import jax
 import optax
@@ -38,6 +46,11 @@ LOSS_SCALE = "loss_scale_optimizer"
 SKIP = "skip_bad_steps"
 # The wrappers' own init functions, by code object (see `register_init`).
 _WRAPPER_INITS: dict[types.CodeType, str] = {}
+# The warnings eager updates have given, per owner: a wrapper's update function,
+# or the inner factory of an `inject_hyperparams` (which rebuilds the wrapper on
+# every update).
+_WARNED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+INJECT = "optax.inject_hyperparams"
 
 
 def register_init(init_fn: Callable[..., Any], kind: str) -> None:
@@ -55,9 +68,15 @@ def _optax_codes() -> dict[types.CodeType, str]:
     "optax.masked": optax.masked(identity, True),
     "optax.partition": optax.multi_transform({"a": identity}, "a"),
     "optax.apply_if_finite": optax.apply_if_finite(identity, 1),
+    INJECT: optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
   }
+  if hasattr(optax, "inject_stateful_hyperparams"):  # in case its functions are its own
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)  # deprecated for inject_hyperparams
+      examples[f"{INJECT}(stateful)"] = optax.inject_stateful_hyperparams(optax.sgd)(0.1)
   codes = {}
   for name, tx in examples.items():
+    name = INJECT if name.startswith(INJECT) else name
     codes[tx.init.__code__] = codes[tx.update.__code__] = name
   codes[optax.MultiSteps.init.__code__] = "optax.MultiSteps"
   codes[optax.MultiSteps.update.__code__] = "optax.MultiSteps"
@@ -119,15 +138,66 @@ _FIX = {
 }
 
 
-def check_init(kind: str, own_init: Callable[..., Any], dynamic: bool = True) -> None:
+def is_traced(tree: Any) -> bool:
+  """Whether `tree` holds a tracer: the update runs once per trace, not per call."""
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
+def _warn(owner: Any, message: str, traced: bool, stacklevel: int) -> None:
+  """Warns once per trace: a traced call always, eager calls once per `owner` and message."""
+  if not traced:
+    try:
+      seen = _WARNED.setdefault(owner, set())
+    except TypeError:  # an owner that takes no weak reference: warn every time
+      seen = set()
+    if message in seen:
+      return
+    seen.add(message)
+  warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
+def _scheduled_hyperparams(frame: types.FrameType) -> list[str]:
+  """The hyper-parameters an `inject_hyperparams` frame takes from schedules."""
+  schedules = frame.f_locals.get("sched_hps")
+  if schedules is None:
+    # optax < 0.2.5: only its schedule function closes over them.
+    for value in frame.f_locals.values():
+      code = getattr(value, "__code__", None)
+      if isinstance(value, types.FunctionType) and "sched_hps" in code.co_freevars:
+        cell = value.__closure__[code.co_freevars.index("sched_hps")]
+        schedules = cell.cell_contents
+        break
+  return sorted(schedules) if isinstance(schedules, dict) else []
+
+
+def _inject_warning(kind: str, frame: types.FrameType) -> str | None:
+  """The warning for a skipping wrapper in an `inject_hyperparams` frame with schedules, or None."""
+  names = _scheduled_hyperparams(frame)
+  if not names:
+    return None  # constant hyper-parameters: nothing counts the steps
+  fix = f"{kind}(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))"
+  return (
+    f"{kind} is inside optax.inject_hyperparams, whose schedule of {', '.join(names)}"
+    " counts every update, skipped ones included: after k skipped steps it runs k steps"
+    " ahead of the optimizer it drives. Put inject_hyperparams inside the wrapper,"
+    f" {fix}, so that a skipped step leaves the schedule's count as it was."
+  )
+
+
+def check_init(kind: str, own_init: Callable[..., Any], can_skip: bool = True) -> None:
   """Raises if the optax combinators initialising `own_init` make it wrong.
 
-  Call from the wrapper's init function. `dynamic`: whether a loss-scale
-  wrapper can skip steps (a fixed scale composes like a plain transformation
-  with `apply_if_finite` and `MultiSteps`).
+  Call from the wrapper's init function. `can_skip`: whether a loss-scale
+  wrapper can skip steps (a `FixedLossScale` composes like a plain
+  transformation with `apply_if_finite` and `MultiSteps`). A skipping wrapper
+  inside `optax.inject_hyperparams` with a schedule gets a warning.
   """
   for container, frame in _callers(sys._getframe(1)):
-    problem = _container_problem(kind, container, dynamic)
+    if container == INJECT and can_skip:
+      message = _inject_warning(kind, frame)
+      if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=4)
+    problem = _container_problem(kind, container, can_skip)
     if problem is None and container in ("optax.chain", "optax.named_chain"):
       siblings = {
         id(_init_of(p)): p
@@ -145,7 +215,7 @@ def check_init(kind: str, own_init: Callable[..., Any], dynamic: bool = True) ->
       raise ValueError(f"{kind} cannot work here: {problem}")
 
 
-def _container_problem(kind: str, container: str, dynamic: bool) -> str | None:
+def _container_problem(kind: str, container: str, can_skip: bool) -> str | None:
   if container == kind:
     return (
       f"it is nested inside another {kind} (possibly through an optax.chain), which"
@@ -158,13 +228,13 @@ def _container_problem(kind: str, container: str, dynamic: bool) -> str | None:
       " wrapper, not around it: loss_scale_optimizer(skip_bad_steps(inner, ...)), so that"
       " an overflow backs the scale off and the spike check sees unscaled gradients."
     )
-  if kind == LOSS_SCALE and dynamic and container == "optax.apply_if_finite":
+  if kind == LOSS_SCALE and can_skip and container == "optax.apply_if_finite":
     return (
       "it is inside optax.apply_if_finite, which hides each overflow from it, so the"
       " loss scale never backs off until apply_if_finite gives up. Drop apply_if_finite:"
       " loss_scale_optimizer already skips non-finite steps."
     )
-  if (kind == SKIP or dynamic) and container == "optax.MultiSteps":
+  if (kind == SKIP or can_skip) and container == "optax.MultiSteps":
     return (
       "it is inside optax.MultiSteps, which clears its accumulator by multiplying by"
       " zero: one non-finite micro-batch leaves NaN in it (inf * 0), and every later"
@@ -187,6 +257,7 @@ def check_update(
   watches_norm: bool = False,
   writes_values: bool = False,
   can_skip: bool = True,
+  traced: bool = True,
 ) -> None:
   """Raises if a transformation beside `own_update` in an optax chain makes it wrong.
 
@@ -196,10 +267,17 @@ def check_update(
   writes overwrite-with-gradient leaves (`writes_values`) must come last, or
   the transformations after it would transform the values it writes. A
   stateful transformation after a wrapper that `can_skip` gets a warning: on
-  a skipped step it still runs, on zero updates, and advances its state.
+  a skipped step it still runs, on zero updates, and advances its state; so
+  does an `optax.inject_hyperparams` with a schedule around it. Warnings are
+  given once per trace: with `traced` False (an eager call), once per wrapper.
   """
   target: Any = own_update
   for container, frame in _callers(sys._getframe(1)):
+    if container == INJECT and can_skip:
+      message = _inject_warning(kind, frame)
+      owner = frame.f_locals.get("inner_factory", own_update)
+      if message is not None:
+        _warn(owner, message, traced, stacklevel=4)
     if container not in ("optax.chain", "optax.named_chain"):
       target = frame.f_code
       continue
@@ -207,14 +285,13 @@ def check_update(
     target = frame.f_code
     later = [_name(fn) for fn in after if not _is_identity(fn)]
     if can_skip and any(jax.tree.leaves(s) for s in later_states):
-      warnings.warn(
+      message = (
         f"{', '.join(dict.fromkeys(later))} comes after {kind} in an {container} and keeps"
         " state: on a step the wrapper skips it still runs, on zero updates, and advances"
         " that state (optax.trace would still move the params). Put it inside the"
-        f" wrapper, {_FIX[kind]}, so that a skipped step leaves it untouched.",
-        UserWarning,
-        stacklevel=4,
+        f" wrapper, {_FIX[kind]}, so that a skipped step leaves it untouched."
       )
+      _warn(own_update, message, traced, stacklevel=4)
     if writes_values and later:
       listed = ", ".join(dict.fromkeys(later))
       raise ValueError(
@@ -336,12 +413,12 @@ def composition_problem(opt_state: Any, state_types: dict[str, type]) -> str | N
     )
   for path, node in found:
     kind = kinds[type(node)]
-    dynamic = kind == SKIP or getattr(node.loss_scale, "dynamic", True)
+    can_skip = kind == SKIP or getattr(node.loss_scale, "skips", True)
     parent = opt_state
     for depth, key in enumerate(path):
       where = jax.tree_util.keystr(path[:depth]) or "the top level"
       container = kinds.get(type(parent)) or _STATE_CONTAINERS.get(type(parent))
-      problem = container and _container_problem(kind, container, dynamic)
+      problem = container and _container_problem(kind, container, can_skip)
       if problem:
         return f"{kind} (at {where}): {problem}"
       if kind == LOSS_SCALE and _after_stateful(parent, key):

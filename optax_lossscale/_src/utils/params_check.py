@@ -6,19 +6,34 @@ functions or other Python objects (an Equinox module: its activation
 functions, a Flax NNX module outside `nnx.Optimizer`), JAX fails in the
 middle of the inner optimizer with "zeros_like requires ndarray or scalar
 arguments" or "... is not a valid JAX type", naming neither the leaf nor the
-fix. This check runs when the step is traced (Python metadata only, nothing
-is added to the compiled step) and names both.
+fix. A module whose only non-array leaves are Python numbers (an Equinox
+`Dropout`'s rate `p` and its `inference` flag) gets no error from JAX at all:
+the optimizer would train its settings. This check runs when the step is
+traced (Python metadata only, nothing is added to the compiled step) and
+names the leaf and the fix.
+
+Python numbers are valid JAX values, and optax accepts them as params
+leaves: in a dict, list or tuple (`{'scale': 1.0}`) they pass. As a field of
+an object (a module, a dataclass), a Python number is one of its settings,
+not a parameter, and is refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-# Python scalars are valid JAX values: optax accepts them as params leaves.
-_SCALARS = (bool, int, float, complex, np.generic)
+_PYTHON_NUMBERS = (bool, int, float, complex)
+_SCALARS = (*_PYTHON_NUMBERS, np.generic)
+_HINT = (
+  " Params must hold only arrays (None leaves are fine). For an Equinox module pass"
+  " eqx.filter(model, eqx.is_inexact_array) and put the result back with"
+  " eqx.combine (or eqx.apply_updates); for a Flax NNX module use nnx.Optimizer"
+  " or nnx.state(model, nnx.Param)."
+)
 
 
 def _is_array_like(leaf: Any) -> bool:
@@ -28,21 +43,42 @@ def _is_array_like(leaf: Any) -> bool:
   return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
+def _owner(params: Any, path: tuple[Any, ...]) -> Any:
+  """The node holding the leaf at `path`: a container, an object, or None if unreachable."""
+  node = params
+  for key in path[:-1]:
+    if isinstance(key, jax.tree_util.SequenceKey):
+      node = node[key.idx]
+    elif isinstance(key, jax.tree_util.DictKey):
+      node = node[key.key]
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+      node = getattr(node, key.name)
+    else:  # a custom node without named keys: not a plain container
+      return None
+  return node
+
+
+def _is_container(node: Any) -> bool:
+  """A dict, list or tuple (NamedTuples too), or a mapping or sequence like them."""
+  return isinstance(node, (Mapping, Sequence)) and not isinstance(node, (str, bytes))
+
+
 def check_params_are_arrays(params: Any, where: str) -> None:
   """Raises a `TypeError` naming the first leaf of `params` that is not an array.
 
   `None` leaves (what `eqx.filter` leaves where it removed a non-array) are
-  not pytree leaves and pass, as do arrays, tracers and Python or NumPy
-  scalars.
+  not pytree leaves and pass, as do arrays, tracers and NumPy scalars.
+  Python numbers pass in a dict, list or tuple; as a field of an object (a
+  module's dropout rate or flag) they are refused.
 
   Args:
     params: the params (or gradients, or updates) pytree to check.
     where: who received it, for the message (e.g. `"loss_scale_optimizer.init"`).
 
   Raises:
-    TypeError: if a leaf is not an array, naming its path and type, and
-      saying to pass only the arrays (for an Equinox module,
-      `eqx.filter(model, eqx.is_inexact_array)`).
+    TypeError: if a leaf is not an array (or is a Python number held by an
+      object), naming its path and type, and saying to pass only the arrays
+      (for an Equinox module, `eqx.filter(model, eqx.is_inexact_array)`).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -55,13 +91,19 @@ def check_params_are_arrays(params: Any, where: str) -> None:
   """
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   for path, leaf in leaves:
+    where_leaf = jax.tree_util.keystr(path) or "<root>"
+    if isinstance(leaf, _PYTHON_NUMBERS) and path:
+      owner = _owner(params, path)
+      if not _is_container(owner):
+        held_by = type(owner).__name__ if owner is not None else "an object"
+        raise TypeError(
+          f"{where} got params with a leaf that is not an array, at {where_leaf} (a"
+          f" Python {type(leaf).__name__}, a field of {held_by}): a setting of the model"
+          " such as a dropout rate or a flag, which the optimizer would change." + _HINT
+        )
     if _is_array_like(leaf):
       continue
     raise TypeError(
-      f"{where} got params with a leaf that is not an array, at"
-      f" {jax.tree_util.keystr(path) or '<root>'} (a {type(leaf).__name__}). Params"
-      " must hold only arrays (None leaves are fine). For an Equinox module pass"
-      " eqx.filter(model, eqx.is_inexact_array) and put the result back with"
-      " eqx.combine (or eqx.apply_updates); for a Flax NNX module use nnx.Optimizer"
-      " or nnx.state(model, nnx.Param)."
+      f"{where} got params with a leaf that is not an array, at {where_leaf}"
+      f" (a {type(leaf).__name__})." + _HINT
     )

@@ -18,7 +18,12 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale._src.diagnostics import overflow_guard
-from optax_lossscale._src.loss_scales import dynamic_loss_scale, keras_compat, serialization
+from optax_lossscale._src.loss_scales import (
+  dynamic_loss_scale,
+  keras_compat,
+  serialization,
+  skipping_fixed_loss_scale,
+)
 from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
 from optax_lossscale._src.step import composition, conditional_step, overwrite
 from optax_lossscale._src.step.conditional_step import SkipMode
@@ -109,8 +114,13 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
   @property
   def dynamic(self) -> bool:
-    """Whether the loss scale is dynamic (can change and skip steps)."""
+    """Whether the loss scale is dynamic (can change; Keras's `dynamic`)."""
     return self.initial_loss_scale.dynamic
+
+  @property
+  def skips(self) -> bool:
+    """Whether a non-finite step is skipped: True but for a `FixedLossScale` or `NoOpLossScale`."""
+    return self.initial_loss_scale.skips
 
   @property
   def initial_scale(self) -> float:
@@ -197,14 +207,18 @@ def _scaling_keeps_finiteness(ls: loss_scale_lib.LossScale) -> bool:
   gives TensorFlow's answer. `DynamicLossScale` keeps S within
   [min_loss_scale, max_loss_scale], so `min_loss_scale >= 1` (the default)
   guarantees it, as long as nobody sets the scale below `min_loss_scale` by
-  hand (`replace` cannot check a traced value). A subclass that changes how
-  the scale is updated or applied gets the unscaled gradients.
+  hand (`replace` cannot check a traced value); a `SkippingFixedLossScale`
+  of at least 1 too. A subclass that changes how the scale is updated or
+  applied gets the unscaled gradients.
   """
-  base = dynamic_loss_scale.DynamicLossScale
-  same_rules = all(
-    getattr(type(ls), method) is getattr(base, method) for method in ("update", "adjust", "unscale")
+  same_rules = lambda base, methods: all(
+    getattr(type(ls), method) is getattr(base, method) for method in methods
   )
-  return same_rules and ls.min_loss_scale >= 1
+  if isinstance(ls, skipping_fixed_loss_scale.SkippingFixedLossScale):
+    base = skipping_fixed_loss_scale.SkippingFixedLossScale
+    return same_rules(base, ("update", "unscale", "_reciprocal")) and ls.loss_scale_value >= 1
+  base = dynamic_loss_scale.DynamicLossScale
+  return same_rules(base, ("update", "adjust", "unscale")) and ls.min_loss_scale >= 1
 
 
 def _restarted(ls: loss_scale_lib.LossScale) -> loss_scale_lib.LossScale:
@@ -291,9 +305,13 @@ def loss_scale_optimizer(
   update divides them by the current scale, checks them for NaN/Inf, updates
   the loss scale and, on a finite step, returns exactly what
   `inner.update(ls.unscale(grads), inner_state, params)` returns. On a
-  non-finite step (dynamic scales only) the updates are zeros of the dtypes
-  `inner` would return and `inner`'s state is left bit-identical: its step
-  count, schedules and moments do not advance.
+  non-finite step the updates are zeros of the dtypes `inner` would return
+  and `inner`'s state is left bit-identical: its step count, schedules and
+  moments do not advance. Which scales skip: `DynamicLossScale` (the default)
+  and `SkippingFixedLossScale` (a constant scale, jmp's recipe) skip every
+  non-finite step; `FixedLossScale` (a number, or `dynamic=False`:
+  TensorFlow's rule) and `NoOpLossScale` skip none, and apply NaN/Inf
+  updates as they come.
 
   The unscaling is compiled into the inner update, so the unscaled gradients
   never reach memory. With power-of-two scales (the dynamic default) they are
@@ -321,10 +339,14 @@ def loss_scale_optimizer(
   refused with a `ValueError` naming the fix: a wrapper inside another (also
   through a chain), two in one optimizer, one after another transformation
   in a chain (only `optax.identity()` may come first: the others would see
-  the scaled gradients), and a dynamic one inside `optax.apply_if_finite`,
+  the scaled gradients), and a skipping one inside `optax.apply_if_finite`,
   `optax.MultiSteps`, `optax.masked` or `optax.multi_transform`; the
   construction, `init` or the first `update` raises, whichever first can
-  see it.
+  see it. Two compositions around a skipping wrapper run but count skipped
+  steps as taken, and warn (once per trace): a stateful transformation after
+  it in a chain, and `optax.inject_hyperparams` with a schedule around it
+  (put `inject_hyperparams` inside: `loss_scale_optimizer(
+  optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))`).
 
   For gradient accumulation wrap `optax.MultiSteps` (pass
   `optax.MultiSteps(inner, k).gradient_transformation()` as `inner`): each
@@ -335,7 +357,8 @@ def loss_scale_optimizer(
 
   Args:
     inner: the transformation to wrap, e.g. `optax.adam(1e-3)` or a chain.
-    loss_scale: `'dynamic'`, a number (a fixed scale) or a `LossScale`.
+    loss_scale: `'dynamic'`, a number (a `FixedLossScale`, which never
+      skips) or a `LossScale`.
     dynamic: Keras's keyword form; True for a dynamic scale (default), False
       for a fixed one (then `initial_scale` is required).
     initial_scale: the initial (or fixed) scale in the keyword form; 2**15
@@ -370,8 +393,8 @@ def loss_scale_optimizer(
       `jax.errors.JaxRuntimeError` or `ValueError` whose message holds the
       `OverflowGuardError` text. With a guard on, the step contains a host
       callback (never run unless it fires), which makes CPU execution of the
-      step synchronous; see the diagnostics guide. With a fixed scale no step is
-      skipped, so the guards never fire and the flags stay False.
+      step synchronous; see the diagnostics guide. With a `FixedLossScale` no
+      step is skipped, so the guards never fire and the flags stay False.
     overwrite_with_gradient: which gradient leaves are fp8 metadata whose
       "gradient" is their new value (Flax's `Fp8DirectDotGeneralOp` and
       `Fp8Einsum` scales and amax histories): `'auto'` (default) marks every
@@ -447,7 +470,7 @@ def loss_scale_optimizer(
   user_inner, inner = inner, optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> LossScaleOptimizerState:
-    composition.check_init(composition.LOSS_SCALE, init_fn, initial_ls.dynamic)
+    composition.check_init(composition.LOSS_SCALE, init_fn, initial_ls.skips)
     params_check.check_params_are_arrays(params, "loss_scale_optimizer.init")
     marked = overwrite.resolve(overwrite_with_gradient, params)
     return LossScaleOptimizerState(
@@ -480,7 +503,8 @@ def loss_scale_optimizer(
       composition.LOSS_SCALE,
       update_fn,
       writes_values=marked is not None,
-      can_skip=state.loss_scale.dynamic,
+      can_skip=state.loss_scale.skips,
+      traced=composition.is_traced(grads),
     )
     _check_float_grads(grads)
     if params is not None:
@@ -500,8 +524,8 @@ def loss_scale_optimizer(
       prepare=ls.unscale,
       marked=marked,
     )
-    if not ls.dynamic:
-      # A fixed scale never skips (TensorFlow semantics): no check, no branch.
+    if not ls.skips:
+      # FixedLossScale never skips (TensorFlow semantics): no check, no branch.
       out, inner_state = conditional(None)
       return out, state._replace(inner_state=inner_state)
 

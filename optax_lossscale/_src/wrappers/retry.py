@@ -9,16 +9,25 @@ keeps the batch. Inside the compiled step, on the same batch:
         and S > min_loss_scale:
     S = S backed off (as an overflowing step would: DynamicLossScale.adjust)
     loss, grads = value_and_grad(S, batch)            # one more backward pass
-  if grads are finite: the state's scale becomes S    # the wrapper applies the step
-  else:                the scale stays where it was   # a real NaN: the wrapper skips,
-                                                      # as without retry
+  if grads are finite or loss is finite:
+    the state's scale becomes S   # finite: the wrapper applies the step; else the
+                                  # budget (or the floor) ran out: the wrapper skips
+                                  # and backs off from the lowest scale tried
+  else:
+    the scale stays where it was  # a NaN loss: skipped and backed off once,
+                                  # as without retry
 
 so a step whose scale was only too high costs one backward pass per halving
-and loses nothing, and a real NaN (a non-finite loss, or gradients that stay
-non-finite down to `min_loss_scale` or for `max_retries` back-offs) is skipped
-with the scale backed off once, exactly as without retry. The loop is a
-`lax.while_loop`: a finite step runs its condition once and no second
-backward pass, and nothing leaves the device.
+and loses nothing. When the budget runs out first, the batch is skipped, but
+the halvings tried are kept: the next step starts from the lowest scale
+tried, backed off once more. So with a finite loss a run loses at most one
+batch per `max_retries + 1` halvings (one per 9 with the default 8), where
+one per halving would be lost by skipping alone; from an initial scale `k`
+halvings too high, `ceil((k - max_retries) / (max_retries + 1))` batches are
+lost (none for `k <= max_retries`). A real NaN (a non-finite loss: no scale
+helps the forward pass) is not retried and costs one back-off, exactly as
+without retry. The loop is a `lax.while_loop`: a finite step runs its
+condition once and no second backward pass, and nothing leaves the device.
 """
 
 from __future__ import annotations
@@ -54,7 +63,12 @@ def retry_on_overflow(
 
   See the module docstring for the algorithm. Only the step's own batch is
   recomputed, inside the compiled step; no batch is lost to a scale that was
-  too high.
+  at most `max_retries` halvings too high. A step that runs out of retries
+  (its loss finite, its gradients not) is skipped by the wrapper, and the
+  next one starts from the lowest scale tried, backed off once more: at most
+  one batch is lost per `max_retries + 1` halvings. A non-finite loss is not
+  retried: the step is skipped and the scale backed off once, as without
+  retry.
 
   Args:
     value_and_grad_fn: `(loss_scale, *args, **kwargs) -> (value, scaled_grads)`,
@@ -144,10 +158,14 @@ def retry_loop(
   last = jax.lax.while_loop(
     keep_going, again, _Carry(ls, jnp.zeros((), jnp.int32), value, grads, finite(grads))
   )
-  # A step that stays non-finite keeps the scale it came with: the wrapper then
-  # skips it and backs off once, as without retry. Its gradients are the last
-  # pass's, non-finite either way: selecting the first pass's would cost a pass.
-  scale = jax.tree.map(functools.partial(jnp.where, last.finite), last.loss_scale, ls)
+  # With a finite loss, the scale the last pass was computed at: the one that
+  # worked, or the lowest tried, from which the wrapper backs off once more when
+  # it skips the step, so the halvings tried are not tried again. A non-finite
+  # loss (never retried) keeps the scale it came with, as without retry. The
+  # gradients are the last pass's, non-finite either way when skipped:
+  # selecting the first pass's would cost a pass.
+  keep = last.finite | tree_utils.all_finite(loss_of(last.value), axis_name)
+  scale = jax.tree.map(functools.partial(jnp.where, keep), last.loss_scale, ls)
   return last.value, last.grads, scale, last.retries
 
 

@@ -450,7 +450,11 @@ def skip_bad_steps(
       params_check.check_params_are_arrays(params, "skip_bad_steps.update")
     marked = overwrite.resolve(overwrite_with_gradient, grads)
     composition.check_update(
-      composition.SKIP, update_fn, "grad_norm" in monitors, writes_values=marked is not None
+      composition.SKIP,
+      update_fn,
+      "grad_norm" in monitors,
+      writes_values=marked is not None,
+      traced=composition.is_traced(grads),
     )
     finite, values = watched_values(grads, extra_args.get("loss"), marked)
     stats = {name: getattr(state, name) for name in monitors}

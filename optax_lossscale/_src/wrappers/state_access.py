@@ -21,6 +21,7 @@ import optax
 from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
 from optax_lossscale._src.step import composition
 from optax_lossscale._src.utils import tree_utils
+from optax_lossscale._src.wrappers import state_conversion
 from optax_lossscale._src.wrappers.optimizer import LossScaleOptimizerState
 from optax_lossscale._src.wrappers.skip_bad_steps import SkipBadStepsState
 
@@ -233,6 +234,75 @@ def warn_composition(opt_state: Any) -> None:
   problem = composition_problem(opt_state)
   if problem is not None:
     warnings.warn(problem, UserWarning, stacklevel=3)
+
+
+def inner_state(opt_state: Any) -> Any:
+  """Returns the state of the optimizer inside the wrappers, from any of our states.
+
+  The wrappers keep the state of the transformation they wrap in their
+  `inner_state` field; code that reads an optax state by its type or fields
+  (`optax.contrib.schedule_free_eval_params`, `optax.tree_utils.tree_get`,
+  a schedule's `count`) needs that state, not the wrapper's. This finds it
+  wherever the wrapper sits: a `LossScaleOptimizerState` or
+  `SkipBadStepsState` itself, one nested in an optax state (`optax.chain`,
+  `named_chain`, ...), a Flax `TrainState` or an `nnx.Optimizer` (through
+  their `opt_state`). Through nested wrappers
+  (`loss_scale_optimizer(skip_bad_steps(inner))`) it returns `inner`'s state.
+  The leaves an `nnx.Optimizer` boxes in `nnx.Variable`s are returned as
+  plain arrays.
+
+  It reads; to replace the inner state, use the wrapper state's
+  `._replace(inner_state=...)`, or `ols.convert_state`.
+
+  Args:
+    opt_state: a wrapper's state, an optax state holding exactly one
+      (outermost) wrapper state, a Flax `TrainState` or an `nnx.Optimizer`.
+
+  Returns:
+    The innermost optimizer's state, as its own `init` built it.
+
+  Raises:
+    ValueError: if `opt_state` holds no wrapper state, or several side by
+      side (their paths are listed).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> sf = optax.contrib.schedule_free_sgd(0.5)
+    >>> tx = ols.loss_scale_optimizer(sf, initial_scale=2.0**10)
+    >>> params = {'w': jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for scaled in (2.0**10, jnp.inf):  # one applied step, one skipped
+    ...   updates, state = tx.update({'w': jnp.full(2, scaled)}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> optax.contrib.schedule_free_eval_params(ols.inner_state(state), params)
+    {'w': Array([0.5, 0.5], dtype=float32)}
+    >>> int(optax.tree_utils.tree_get(ols.inner_state(state), 'step_count'))  # 1 at init
+    2
+  """
+  if isinstance(opt_state, optax.GradientTransformation):
+    _search(opt_state, LossScaleOptimizerState)  # raises, naming the mix-up
+  wrapper_types = (LossScaleOptimizerState, SkipBadStepsState)
+  tree = opt_state
+  if not isinstance(tree, wrapper_types) and hasattr(tree, "opt_state"):
+    tree = tree.opt_state
+  is_wrapper = lambda x: isinstance(x, wrapper_types)
+  found = [
+    (path, node)
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_wrapper)[0]
+    if is_wrapper(node)
+  ]
+  if not found:
+    raise ValueError(_NEITHER.format(type(opt_state).__name__))
+  if len(found) > 1:
+    paths = ", ".join(jax.tree_util.keystr(p) or "<root>" for p, _ in found)
+    raise ValueError(
+      f"Found {len(found)} wrapper states side by side (at {paths}); inner_state reads"
+      " one. Pass the one you mean, e.g. inner_state(opt_state[0])."
+    )
+  inner = state_conversion.innermost_state(found[0][1])
+  # An nnx.Optimizer boxes each leaf in a Variable: hand back plain arrays.
+  return jax.tree.map(_unwrap, inner, is_leaf=_is_box)
 
 
 def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
