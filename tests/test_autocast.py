@@ -444,10 +444,10 @@ def test_the_guide_lists_the_rules_of_the_table():
   from optax_lossscale._src.precision import autocast_rules
 
   page = pathlib.Path(__file__).resolve().parents[1] / "docs/guides/mixed_precision.md"
-  rows = {
-    line.split("|")[1].strip(): set(re.findall(r"`(\w+)`", line.split("|")[2]))
-    for line in page.read_text().splitlines()
-    if line.startswith("| compute") or line.startswith("| float32")
-  }
+  rows: dict[str, set[str]] = {}
+  for line in page.read_text().splitlines():
+    kind = line.split("|")[1].strip() if line.startswith("|") else ""
+    if kind in ("compute", "float32") and kind not in rows:  # the rule table comes first
+      rows[kind] = set(re.findall(r"`(\w+)`", line.split("|")[2]))
   assert rows["compute"] == set(autocast_rules.COMPUTE)
   assert rows["float32"] == set(autocast_rules.FLOAT32) | {"div"}
