@@ -11,6 +11,13 @@ from optax_lossscale._src.diagnostics.scale_advisor import ScaleAdvice, suggest_
 from optax_lossscale._src.loss_scales.dynamic_loss_scale import DynamicLossScale
 from optax_lossscale._src.loss_scales.loss_scale import FixedLossScale, LossScale, NoOpLossScale
 from optax_lossscale._src.loss_scales.serialization import deserialize, get, serialize
+from optax_lossscale._src.precision.master_weights import MasterWeightsState, master_weights
+from optax_lossscale._src.precision.rounding import stochastic_round
+from optax_lossscale._src.precision.state_dtypes import state_dtypes
+from optax_lossscale._src.precision.stochastic_rounding import (
+  StochasticRoundingState,
+  stochastic_rounding,
+)
 from optax_lossscale._src.step.apply_gradients import apply_gradients
 from optax_lossscale._src.utils.tree_utils import all_finite, select_tree
 from optax_lossscale._src.wrappers.grad import value_and_grad
@@ -44,11 +51,13 @@ __all__ = (
   "LossScale",
   "LossScaleOptimizer",
   "LossScaleOptimizerState",
+  "MasterWeightsState",
   "NoOpLossScale",
   "OverflowGuardError",
   "ScaleAdvice",
   "SkipBadSteps",
   "SkipBadStepsState",
+  "StochasticRoundingState",
   "all_finite",
   "apply_gradients",
   "check_composition",
@@ -61,11 +70,15 @@ __all__ = (
   "get_unscaled_gradients",
   "gradient_report",
   "loss_scale_optimizer",
+  "master_weights",
   "metrics",
   "retry_on_overflow",
   "select_tree",
   "serialize",
   "skip_bad_steps",
+  "state_dtypes",
+  "stochastic_round",
+  "stochastic_rounding",
   "suggest_loss_scale",
   "value_and_grad",
 )

@@ -241,19 +241,11 @@ def _check_float_grads(grads: optax.Updates) -> None:
   would hand the inner optimizer a value `S` times too large (a silent
   `[-4, -8]` for `[-1, -2]` at scale 4).
   """
-  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    dtype = getattr(g, "dtype", None)
-    if dtype is None or dtype == jax.dtypes.float0:
-      continue
-    if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
-      raise TypeError(
-        f"loss_scale_optimizer got an integer gradient leaf at"
-        f" {jax.tree_util.keystr(path) or '<root>'} (dtype {dtype}); it cannot be"
-        " unscaled and would reach the inner optimizer multiplied by the loss scale."
-        " Keep integer and bool arrays out of the tree you optimize (pass only the"
-        " float parameters to init, update and jax.grad), or give that leaf a float"
-        " gradient."
-      )
+  params_check.check_float_grads(
+    grads,
+    "loss_scale_optimizer",
+    "It cannot be unscaled and would reach the inner optimizer multiplied by the loss scale.",
+  )
 
 
 def _check_state(state: Any) -> None:
