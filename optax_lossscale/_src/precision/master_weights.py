@@ -58,10 +58,10 @@ class MasterWeightsState(NamedTuple):
 def _check_master_dtype(master_dtype: Any) -> np.dtype:
   accepted = "a floating dtype such as jnp.float32"
   try:
-    dtype = np.dtype(master_dtype)
+    dtype = None if master_dtype is None else np.dtype(master_dtype)
   except TypeError:
     raise ValueError(f"master_dtype must be {accepted}; got {master_dtype!r}.") from None
-  if not jnp.issubdtype(dtype, jnp.floating):
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"master_dtype must be {accepted}; got {master_dtype!r}.")
   return dtype
 

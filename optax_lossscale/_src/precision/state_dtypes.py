@@ -39,7 +39,7 @@ Dtypes = Any | Mapping[str, Any] | Callable[[tuple[Any, ...], Any], Any]
 
 def _floating_dtype(value: Any, what: str) -> np.dtype:
   try:
-    dtype = np.dtype(value)
+    dtype = None if value is None else np.dtype(value)
   except TypeError:
     dtype = None
   if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
@@ -57,6 +57,8 @@ def _check_dtypes(dtypes: Any) -> Any:
       _floating_dtype(value, f"dtypes[{name!r}]")
     return {name: np.dtype(value) for name, value in dtypes.items()}
   try:
+    if dtypes is None:
+      raise TypeError
     np.dtype(dtypes)
   except TypeError:
     if callable(dtypes):
