@@ -354,7 +354,7 @@ class CompositionTest(parameterized.TestCase):
     guarded = ols.loss_scale_optimizer(ols.master_weights(optax.adam(1e-3)))
     state = guarded.init(params)
     for i in range(3):
-      grads = jax.tree.map(lambda g: g * state.loss_scale(), grads_of(params, batch(i)))
+      grads = scaled_grads_of(params, batch(i), state.loss_scale())
       params, state = ols.apply_gradients(guarded, grads, state, params)
     other = ols.skip_bad_steps(ols.master_weights(optax.adam(1e-3)))
     converted = ols.convert_state(other, state, params)
