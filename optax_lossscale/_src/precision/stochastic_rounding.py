@@ -68,11 +68,12 @@ def _check_key(key: Any) -> Any:
       raise ValueError(f"key must be {accepted}; got the seed {key!r}, outside [0, 2**63).")
     return int(key)
   dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
-  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if shape == ():
+      return key
+  elif dtype is not None and np.dtype(dtype) == np.uint32 and shape == (2,):
     return key
-  if dtype is not None and np.dtype(dtype) == np.uint32 and shape == (2,):
-    return key
-  if dtype is not None and jnp.issubdtype(dtype, jnp.integer) and shape == ():
+  elif dtype is not None and jnp.issubdtype(dtype, jnp.integer) and shape == ():
     return key  # a seed held in an array (a traced one too)
   raise ValueError(
     f"key must be {accepted}, one key (not a batch of them); got"
