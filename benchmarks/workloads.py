@@ -114,29 +114,32 @@ GPU_LM: dict[str, int] = {
 }
 
 
-def _lm_model(*, vocab: int, d_model: int, heads: int, layers: int, seq: int) -> Any:
+def _lm_model(
+  *, vocab: int, d_model: int, heads: int, layers: int, seq: int, dtype: Any = COMPUTE_DTYPE
+) -> Any:
+  """The GPT-style LM, computing in `dtype` (float16 here; bfloat16 in low_precision_params)."""
   import flax.linen as nn
 
   class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-      h = nn.LayerNorm(dtype=COMPUTE_DTYPE)(x)
-      h = nn.MultiHeadDotProductAttention(num_heads=heads, dtype=COMPUTE_DTYPE)(h, h, mask=mask)
+      h = nn.LayerNorm(dtype=dtype)(x)
+      h = nn.MultiHeadDotProductAttention(num_heads=heads, dtype=dtype)(h, h, mask=mask)
       x = x + h
-      h = nn.LayerNorm(dtype=COMPUTE_DTYPE)(x)
-      h = nn.gelu(nn.Dense(4 * d_model, dtype=COMPUTE_DTYPE)(h))
-      return x + nn.Dense(d_model, dtype=COMPUTE_DTYPE)(h)
+      h = nn.LayerNorm(dtype=dtype)(x)
+      h = nn.gelu(nn.Dense(4 * d_model, dtype=dtype)(h))
+      return x + nn.Dense(d_model, dtype=dtype)(h)
 
   class LM(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
-      embed = nn.Embed(vocab, d_model, dtype=COMPUTE_DTYPE)
+      embed = nn.Embed(vocab, d_model, dtype=dtype)
       pos = self.param("pos", nn.initializers.normal(0.02), (seq, d_model))
-      x = embed(tokens) + pos.astype(COMPUTE_DTYPE)
+      x = embed(tokens) + pos.astype(dtype)
       mask = nn.make_causal_mask(tokens)
       for _ in range(layers):
         x = Block()(x, mask)
-      return embed.attend(nn.LayerNorm(dtype=COMPUTE_DTYPE)(x))
+      return embed.attend(nn.LayerNorm(dtype=dtype)(x))
 
   return LM()
 
