@@ -9,10 +9,13 @@
 # twice: with XLA's defaults (lax.cond copies the predicate to the host and
 # waits for it every step) and with command-buffer conditionals, which keep
 # the branch on the device; then the GPU-size LM (186M parameters) alone, with
-# the finiteness-read floor (--gpu-size). Writes gpu.json/png,
-# gpu-cmdbuf.json/png, gpu-large.json, BENCHMARKS-gpu.md (three result blocks)
-# and dispatch.txt (Python per dispatched call) into OUT_DIR.
-# PARTS picks some of "default cmdbuf large dispatch" (each under 10 minutes).
+# the finiteness-read floor (--gpu-size); then the bfloat16-parameter benchmark
+# (benchmarks/low_precision_params.py: final loss, bytes per parameter and step
+# time of master weights, stochastic rounding and Kahan against plain bfloat16).
+# Writes gpu.json/png, gpu-cmdbuf.json/png, gpu-large.json, BENCHMARKS-gpu.md
+# (three result blocks), dispatch.txt (Python per dispatched call) and
+# low_precision_params-gpu.json/md into OUT_DIR.
+# PARTS picks some of "default cmdbuf large dispatch lowprec" (each under 10 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${1:-${OUT:-benchmarks/results}}"
@@ -26,7 +29,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -c "import jax; print(jax.devices())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 md="$out_dir/BENCHMARKS-gpu.md"
-for part in ${PARTS:-default cmdbuf large dispatch}; do
+for part in ${PARTS:-default cmdbuf large dispatch lowprec}; do
   case "$part" in
     default) "$py" -m benchmarks.run --out "$out_dir" --markdown "$md" --gpu-size \
       --only optimizer,train,skip "${@:2}" ;;
@@ -38,6 +41,7 @@ for part in ${PARTS:-default cmdbuf large dispatch}; do
       "$py" -m benchmarks.run --out "$out_dir" --markdown "$md" --gpu-size --only large \
       --tag large "${@:2}" ;;
     dispatch) "$py" -m benchmarks.dispatch_overhead | tee "$out_dir/dispatch.txt" ;;
-    *) echo "unknown part $part (default, cmdbuf, large, dispatch)" >&2; exit 2 ;;
+    lowprec) "$py" -m benchmarks.low_precision_params --out "$out_dir" ;;
+    *) echo "unknown part $part (default, cmdbuf, large, dispatch, lowprec)" >&2; exit 2 ;;
   esac
 done

@@ -426,6 +426,18 @@ class ErrorTest(parameterized.TestCase):
     with self.assertRaisesRegex(TypeError, r"inner must be an optax.GradientTransformation"):
       ols.master_weights(optax.MultiSteps(optax.adam(1e-3), 2))
 
+  def test_a_parameter_cast_up_since_init_is_refused(self):
+    # eqx.apply_updates adds the float32 updates without casting back: the next
+    # step would train a float32 copy without a word.
+    tx = ols.master_weights(optax.sgd(0.1))
+    params = make_params()
+    state = tx.init(params)
+    updates, state = tx.update(grads_of(params, batch(0)), state, params)
+    promoted = jax.tree.map(lambda p, u: p + u, params, updates)  # what eqx.apply_updates does
+    self.assertEqual(promoted["w"].dtype, jnp.float32)
+    with self.assertRaisesRegex(TypeError, r"at \['b'\], which is now float32.*eqx.apply_updates"):
+      tx.update(grads_of(promoted, batch(1)), state, promoted)
+
   def test_update_needs_the_params_and_its_own_state(self):
     tx = ols.master_weights(optax.adam(1e-3))
     params = make_params()

@@ -197,8 +197,19 @@ def master_weights(
       grads, "master_weights", "It has no floating master copy to step."
     )
     params_check.check_params_are_arrays(params, "master_weights.update")
-    leaves, treedef = jax.tree.flatten(params)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [leaf for _, leaf in flat]
     masters = treedef.flatten_up_to(state.master)
+    for (path, p), m in zip(flat, masters, strict=True):
+      if m is not None and not _has_master(p, np.dtype(m.dtype)):
+        raise TypeError(
+          f"master_weights keeps a {m.dtype} master copy of the parameter at"
+          f" {jax.tree_util.keystr(path) or '<root>'}, which is now"
+          f" {jnp.result_type(p)}: something cast it up since init. Its updates are"
+          " float32; optax.apply_updates casts the sum back to the parameter's dtype,"
+          " eqx.apply_updates does not: step with ols.apply_gradients(tx, grads, state,"
+          " params), which writes the parameters in their own dtype."
+        )
     promoted = [
       g if m is None or g is None else jnp.asarray(g).astype(m.dtype)
       for g, m in zip(treedef.flatten_up_to(grads), masters, strict=True)
