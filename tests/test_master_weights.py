@@ -305,6 +305,13 @@ class CompositionTest(parameterized.TestCase):
     ):
       ok.update(grads_of(params, batch(0)), ok.init(params), params)
 
+  @parameterized.parameters(ols.loss_scale_optimizer, ols.skip_bad_steps)
+  def test_a_transformation_after_the_wrapper_around_it_is_refused(self, wrapper):
+    tx = optax.chain(wrapper(ols.master_weights(optax.adam(1e-3))), optax.scale(0.5))
+    params = make_params()
+    with self.assertRaisesRegex(ValueError, r"wraps master_weights.*optax.scale comes after"):
+      tx.update(grads_of(params, batch(0)), tx.init(params), params)
+
   @parameterized.parameters("outside", "inside")
   def test_multisteps_writes_once_every_k_steps(self, where):
     k, lr = 3, 0.05

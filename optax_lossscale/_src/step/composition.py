@@ -202,6 +202,7 @@ def check_update(
   watches_norm: bool = False,
   writes_values: bool = False,
   can_skip: bool = True,
+  writes_params: str | None = None,
 ) -> None:
   """Raises if a transformation beside `own_update` in an optax chain makes it wrong.
 
@@ -209,7 +210,8 @@ def check_update(
   first (only `optax.identity()` may precede it); `skip_bad_steps` watching
   the gradient norm must not follow a clipping of that norm; a wrapper that
   writes overwrite-with-gradient leaves (`writes_values`) must come last, or
-  the transformations after it would transform the values it writes. A
+  the transformations after it would transform the values it writes; so
+  must one around a parameter writer (`writes_params`, its kind). A
   stateful transformation after a wrapper that `can_skip` gets a warning: on
   a skipped step it still runs, on zero updates, and advances its state.
   """
@@ -229,6 +231,14 @@ def check_update(
         f" wrapper, {_FIX[kind]}, so that a skipped step leaves it untouched.",
         UserWarning,
         stacklevel=4,
+      )
+    if writes_params and later:
+      listed = ", ".join(dict.fromkeys(later))
+      raise ValueError(
+        f"{kind} wraps {writes_params}, which computes the new parameters itself, but"
+        f" {listed} comes after the wrapper in an {container} and would change what it"
+        f" writes. Put {listed} inside: {kind}({writes_params}(optax.chain(...,"
+        f" {listed}(...))))."
       )
     if writes_values and later:
       listed = ", ".join(dict.fromkeys(later))

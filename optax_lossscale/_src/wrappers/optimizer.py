@@ -420,7 +420,9 @@ def loss_scale_optimizer(
     )
   keras_compat.check_keras_options(keras_options)
   inner_settings = conditional_step.settings_of(inner)
-  if inner_settings is not None and inner_settings["kind"] == composition.LOSS_SCALE:
+  inner_kind = None if inner_settings is None else inner_settings["kind"]
+  writes_params = inner_kind if inner_kind in composition.PARAM_WRITERS else None
+  if inner_kind == composition.LOSS_SCALE:
     raise ValueError(
       "loss_scale_optimizer cannot wrap another loss_scale_optimizer: the gradients"
       " would be unscaled twice. Wrap the inner optimizer once:"
@@ -472,6 +474,7 @@ def loss_scale_optimizer(
       composition.LOSS_SCALE,
       update_fn,
       writes_values=marked is not None,
+      writes_params=writes_params,
       can_skip=state.loss_scale.dynamic,
     )
     _check_float_grads(grads)
