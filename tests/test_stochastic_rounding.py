@@ -98,7 +98,8 @@ class StochasticRoundTest(parameterized.TestCase):
     if x < 65536:
       self.assertEqual(exact_mean(results, 65536.0), Fraction(float(np.float32(x))))
     # Round-to-nearest overflows from 65520 on.
-    self.assertEqual(bool(np.isinf(np.float16(np.float32(x)))), abs(x) >= 65520)
+    with np.errstate(over="ignore"):
+      self.assertEqual(bool(np.isinf(np.float16(np.float32(x)))), abs(x) >= 65520)
 
   @parameterized.parameters(BF16, F16)
   def test_exact_values_infinities_nans_and_signed_zeros_stay(self, dtype):
