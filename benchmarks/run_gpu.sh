@@ -9,11 +9,15 @@
 # twice: with XLA's defaults (lax.cond copies the predicate to the host and
 # waits for it every step) and with command-buffer conditionals, which keep
 # the branch on the device; then the GPU-size LM (186M parameters) alone, with
-# the finiteness-read floor (--gpu-size). Writes gpu.json/png,
-# gpu-cmdbuf.json/png, gpu-large.json, BENCHMARKS-gpu.md (three result blocks)
-# and dispatch.txt (Python per dispatched call) into OUT_DIR; autocast.json/md:
-# float32, hand-cast and autocast float16/bfloat16 train steps of the 186M LM.
-# PARTS picks some of "default cmdbuf large dispatch autocast" (each under 10 minutes).
+# the finiteness-read floor (--gpu-size); then the bfloat16-parameter benchmark
+# (benchmarks/low_precision_params.py: final loss, bytes per parameter and step
+# time of master weights, stochastic rounding and Kahan against plain bfloat16),
+# and autocast against hand casts on the 186M LM (benchmarks/autocast_bench.py).
+# Writes gpu.json/png, gpu-cmdbuf.json/png, gpu-large.json, BENCHMARKS-gpu.md
+# (three result blocks), dispatch.txt (Python per dispatched call),
+# low_precision_params-gpu.json/md and autocast.json/md into OUT_DIR.
+# PARTS picks some of "default cmdbuf large dispatch lowprec autocast" (each under 10
+# minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${1:-${OUT:-benchmarks/results}}"
@@ -27,7 +31,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -c "import jax; print(jax.devices())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 md="$out_dir/BENCHMARKS-gpu.md"
-for part in ${PARTS:-default cmdbuf large dispatch autocast}; do
+for part in ${PARTS:-default cmdbuf large dispatch lowprec autocast}; do
   case "$part" in
     default) "$py" -m benchmarks.run --out "$out_dir" --markdown "$md" --gpu-size \
       --only optimizer,train,skip "${@:2}" ;;
@@ -41,6 +45,7 @@ for part in ${PARTS:-default cmdbuf large dispatch autocast}; do
     dispatch) "$py" -m benchmarks.dispatch_overhead | tee "$out_dir/dispatch.txt" ;;
     autocast) "$py" -m benchmarks.autocast_bench --gpu-size --steps 100 \
       --out "$out_dir/autocast.json" | tee "$out_dir/autocast.md" ;;
-    *) echo "unknown part $part (default, cmdbuf, large, dispatch, autocast)" >&2; exit 2 ;;
+    lowprec) "$py" -m benchmarks.low_precision_params --out "$out_dir" ;;
+    *) echo "unknown part $part (default, cmdbuf, large, dispatch, lowprec, autocast)" >&2; exit 2 ;;
   esac
 done

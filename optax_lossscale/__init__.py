@@ -14,6 +14,7 @@ from optax_lossscale._src.loss_scales.serialization import deserialize, get, ser
 from optax_lossscale._src.loss_scales.skipping_fixed_loss_scale import SkippingFixedLossScale
 from optax_lossscale._src.precision.autocast import autocast
 from optax_lossscale._src.precision.autocast_interpreter import UnknownPrimitiveError
+from optax_lossscale._src.precision.master_weights import MasterWeightsState, master_weights
 from optax_lossscale._src.precision.policy import (
   Policy,
   cast_to_full,
@@ -21,6 +22,12 @@ from optax_lossscale._src.precision.policy import (
   dtype_to_names,
   get_policy,
   half_dtype,
+)
+from optax_lossscale._src.precision.rounding import stochastic_round
+from optax_lossscale._src.precision.state_dtypes import state_dtypes
+from optax_lossscale._src.precision.stochastic_rounding import (
+  StochasticRoundingState,
+  stochastic_rounding,
 )
 from optax_lossscale._src.step.apply_gradients import apply_gradients
 from optax_lossscale._src.utils.tree_utils import all_finite, select_tree
@@ -56,14 +63,16 @@ __all__ = (
   "LossScale",
   "LossScaleOptimizer",
   "LossScaleOptimizerState",
+  "MasterWeightsState",
   "NoOpLossScale",
   "OverflowGuardError",
   "Policy",
   "ScaleAdvice",
   "SkipBadSteps",
   "SkipBadStepsState",
-  "UnknownPrimitiveError",
   "SkippingFixedLossScale",
+  "StochasticRoundingState",
+  "UnknownPrimitiveError",
   "all_finite",
   "apply_gradients",
   "autocast",
@@ -83,11 +92,15 @@ __all__ = (
   "half_dtype",
   "inner_state",
   "loss_scale_optimizer",
+  "master_weights",
   "metrics",
   "retry_on_overflow",
   "select_tree",
   "serialize",
   "skip_bad_steps",
+  "state_dtypes",
+  "stochastic_round",
+  "stochastic_rounding",
   "suggest_loss_scale",
   "value_and_grad",
 )

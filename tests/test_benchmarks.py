@@ -237,3 +237,36 @@ def test_autocast_benchmark_counts_the_16_bit_matmul_flops():
     "hand-cast bfloat16": "bfloat16",
     "autocast bfloat16": "bfloat16",
   }
+
+
+def test_low_precision_benchmark_measures_every_variant(capsys):
+  from benchmarks import low_precision_params as lpp
+
+  report = lpp.measure(quick=True, only={"regression"})
+  (workload,) = report["workloads"]
+  results = workload["results"]
+  assert list(results) == list(lpp.variants(1e-3, 0))
+  # Bytes per parameter held by the parameters and the optimizer state (Adam's
+  # count and the rounding key are a few bytes over 256 parameters).
+  expected_bytes = {
+    "float32": 12,
+    "bfloat16": 6,
+    "master weights": 14,
+    "master weights, bf16 mu": 12,
+    "stochastic rounding": 6,
+    "stochastic rounding, f32 nu": 8,
+    "stochastic rounding, f32 moments": 10,
+    "Kahan": 8,
+    "Kahan, f32 nu": 10,
+  }
+  for name, r in results.items():
+    assert r["bytes_per_param"] == pytest.approx(expected_bytes[name], abs=0.05), name
+    assert all(np.isfinite(r["losses"])) and r["ratio"] > 0, name
+  assert results[lpp.BASELINE]["ratio"] == 1.0
+  # The stall: from 1.0, plain bfloat16 Adam at lr 1e-3 learns nothing; every remedy does.
+  stalled = results["bfloat16"]["losses"][0]
+  for name in expected_bytes.keys() - {"bfloat16"}:
+    assert results[name]["losses"][0] < 0.95 * stalled, name
+  table = lpp.markdown(report)
+  for name in results:
+    assert f"| {name} |" in table

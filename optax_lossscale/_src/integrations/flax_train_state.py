@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
-from optax_lossscale._src.step import conditional_step
+from optax_lossscale._src.precision.master_weights import MasterWeightsState
+from optax_lossscale._src.precision.stochastic_rounding import StochasticRoundingState
+from optax_lossscale._src.step import composition, conditional_step
 from optax_lossscale._src.wrappers import state_access, state_conversion
 
 # Flax's fp8 marker (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT): those
@@ -42,7 +44,8 @@ def _holds_overwrite_collection(tree: Any) -> bool:
 
 
 def _check_writes_overwrite_leaves(tx: optax.GradientTransformation) -> None:
-  if conditional_step.fused_apply_gradients(tx) is None:
+  kind = (conditional_step.settings_of(tx) or {}).get("kind")
+  if kind not in (composition.LOSS_SCALE, composition.SKIP):
     raise ValueError(
       "The params hold Flax's fp8 'overwrite with gradient' collection, which only the"
       " wrapper itself can write exactly (on applied steps only): make tx the"
@@ -115,7 +118,11 @@ class TrainState(train_state.TrainState):
     if fused is not None:
       # The wrapper is the whole tx: update and apply inside its one branch.
       params, opt_state = fused(grads, self.opt_state, self.params, **extra_args)
-      applied = state_access.step_applied(opt_state)
+      applied = _applied(opt_state)
+    elif not _has_wrapper(self.opt_state):
+      # A parameter writer in a chain, without a wrapper: every step applies.
+      updates, opt_state = self.tx.update(grads, self.opt_state, self.params, **extra_args)
+      params, applied = optax.apply_updates(self.params, updates), jnp.asarray(True)
     else:
       updates, opt_state = self.tx.update(grads, self.opt_state, self.params, **extra_args)
       applied = state_access.step_applied(opt_state)
@@ -142,8 +149,9 @@ class TrainState(train_state.TrainState):
     """Creates the state with `step=0` (int32) and `opt_state=tx.init(params)`.
 
     Raises:
-      ValueError: if `tx` contains no `loss_scale_optimizer` and no
-        `skip_bad_steps` (or more than one of either).
+      ValueError: if `tx` contains no `loss_scale_optimizer`, no
+        `skip_bad_steps`, no `master_weights` and no `stochastic_rounding`
+        (or more than one of either wrapper).
     """
     if _holds_overwrite_collection(params):
       _check_writes_overwrite_leaves(tx)
@@ -156,11 +164,13 @@ class TrainState(train_state.TrainState):
     try:
       state_access.step_applied(state.opt_state)  # finds each wrapper, at most once
     except ValueError as e:
-      raise ValueError(
-        "tx must contain exactly one optax_lossscale.loss_scale_optimizer(...)"
-        " or skip_bad_steps(...), e.g. loss_scale_optimizer(optax.adam(1e-3)):"
-        f" {e}"
-      ) from e
+      if "No LossScaleOptimizerState" not in str(e) or not _writes_params(state.opt_state):
+        raise ValueError(
+          "tx must contain exactly one optax_lossscale.loss_scale_optimizer(...)"
+          " or skip_bad_steps(...), e.g. loss_scale_optimizer(optax.adam(1e-3)),"
+          " or a master_weights(...) or stochastic_rounding(...) for 16-bit"
+          f" parameters: {e}"
+        ) from e
     # An array from the start: the same dtype before and after a checkpoint,
     # and no retrace when the first jitted step turns a Python 0 into an array.
     return state.replace(step=jnp.zeros((), jnp.int32))
@@ -199,7 +209,7 @@ def convert_train_state(
   """
   fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
   fields.update(tx=tx, opt_state=state_conversion.convert_state(tx, state.opt_state, state.params))
-  if not _has_wrapper(fields["opt_state"]):
+  if not _has_wrapper(fields["opt_state"]) and not _writes_params(fields["opt_state"]):
     base = {f.name for f in dataclasses.fields(train_state.TrainState)}
     extra = sorted(set(fields) - base)
     if extra:
@@ -220,3 +230,14 @@ def _has_wrapper(opt_state: Any) -> bool:
   except ValueError:
     return False
   return True
+
+
+def _writes_params(opt_state: Any) -> bool:
+  """Whether `opt_state` holds the state of `master_weights` or `stochastic_rounding`."""
+  is_writer = lambda x: isinstance(x, (MasterWeightsState, StochasticRoundingState))
+  return any(is_writer(x) for x in jax.tree.leaves(opt_state, is_leaf=is_writer))
+
+
+def _applied(opt_state: Any) -> jax.Array:
+  """Whether the step was applied: by every wrapper in `opt_state`, True without one."""
+  return state_access.step_applied(opt_state) if _has_wrapper(opt_state) else jnp.asarray(True)

@@ -14,6 +14,9 @@ silently wrong:
   a stateful transformation after a skipping wrapper (warned)   it advances on skipped steps
   a skipping wrapper inside inject_hyperparams with a schedule  the schedule counts skipped
     (warned)                                                    steps too
+  either wrapper inside master_weights or stochastic_rounding   the parameter write, or the
+                                                                random key, outlives a skip
+  a transformation after master_weights or stochastic_rounding  it changes what they write
 
 A wrapper's arguments do not show what contains it, and the state cannot tell
 a harmless `optax.identity()` from a clipping (both have an empty state). So
@@ -44,6 +47,11 @@ import optax
 
 LOSS_SCALE = "loss_scale_optimizer"
 SKIP = "skip_bad_steps"
+# The transformations that write 16-bit parameters (`precision/`): they go inside the
+# wrappers, never around them, and last in a chain.
+MASTER_WEIGHTS = "master_weights"
+STOCHASTIC_ROUNDING = "stochastic_rounding"
+PARAM_WRITERS = (MASTER_WEIGHTS, STOCHASTIC_ROUNDING)
 # The wrappers' own init functions, by code object (see `register_init`).
 _WRAPPER_INITS: dict[types.CodeType, str] = {}
 # The warnings eager updates have given, per owner: a wrapper's update function,
@@ -216,6 +224,13 @@ def check_init(kind: str, own_init: Callable[..., Any], can_skip: bool = True) -
 
 
 def _container_problem(kind: str, container: str, can_skip: bool) -> str | None:
+  if kind in (LOSS_SCALE, SKIP) and container in PARAM_WRITERS:
+    return (
+      f"it is inside {container}, which must go inside the wrapper instead:"
+      f" {kind}({container}(inner, ...)). Then a skipped step leaves the"
+      f" {'master copy' if container == MASTER_WEIGHTS else 'random key'} untouched, and"
+      " the parameters are written once, by the wrapper's step."
+    )
   if container == kind:
     return (
       f"it is nested inside another {kind} (possibly through an optax.chain), which"
@@ -258,6 +273,7 @@ def check_update(
   writes_values: bool = False,
   can_skip: bool = True,
   traced: bool = True,
+  writes_params: str | None = None,
 ) -> None:
   """Raises if a transformation beside `own_update` in an optax chain makes it wrong.
 
@@ -265,7 +281,8 @@ def check_update(
   first (only `optax.identity()` may precede it); `skip_bad_steps` watching
   the gradient norm must not follow a clipping of that norm; a wrapper that
   writes overwrite-with-gradient leaves (`writes_values`) must come last, or
-  the transformations after it would transform the values it writes. A
+  the transformations after it would transform the values it writes; so
+  must one around a parameter writer (`writes_params`, its kind). A
   stateful transformation after a wrapper that `can_skip` gets a warning: on
   a skipped step it still runs, on zero updates, and advances its state; so
   does an `optax.inject_hyperparams` with a schedule around it. Warnings are
@@ -292,6 +309,14 @@ def check_update(
         f" wrapper, {_FIX[kind]}, so that a skipped step leaves it untouched."
       )
       _warn(own_update, message, traced, stacklevel=4)
+    if writes_params and later:
+      listed = ", ".join(dict.fromkeys(later))
+      raise ValueError(
+        f"{kind} wraps {writes_params}, which computes the new parameters itself, but"
+        f" {listed} comes after the wrapper in an {container} and would change what it"
+        f" writes. Put {listed} inside: {kind}({writes_params}(optax.chain(...,"
+        f" {listed}(...))))."
+      )
     if writes_values and later:
       listed = ", ".join(dict.fromkeys(later))
       raise ValueError(
@@ -313,6 +338,32 @@ def check_update(
         f"skip_bad_steps watches the gradient norm but comes after {listed} in an"
         f" {container}: it sees the norm after clipping and never sees a spike. Put the"
         f" clipping inside: skip_bad_steps(optax.chain({listed}(...), inner), ...)."
+      )
+
+
+def check_last(kind: str, own_update: Callable[..., Any]) -> None:
+  """Raises if a transformation follows `own_update` in an optax chain.
+
+  Call from the update function of a transformation that writes the
+  parameters (`PARAM_WRITERS`): its updates are the difference between the
+  parameters it computed and the old ones, so a transformation after it
+  (a scaling, a weight decay) would change what is written, and the next
+  step would write the parameters back. `optax.identity()` may follow.
+  """
+  target: Any = own_update
+  for container, frame in _callers(sys._getframe(1)):
+    if container not in ("optax.chain", "optax.named_chain"):
+      target = frame.f_code
+      continue
+    _, after, _ = _neighbours(frame, target)
+    target = frame.f_code
+    later = [_name(fn) for fn in after if not _is_identity(fn)]
+    if later:
+      listed = ", ".join(dict.fromkeys(later))
+      raise ValueError(
+        f"{kind} computes the new parameters itself, but {listed} comes after it in an"
+        f" {container} and would change what it writes (the next step would write the"
+        f" parameters back). Put {listed} inside: {kind}(optax.chain(..., {listed}(...)))."
       )
 
 

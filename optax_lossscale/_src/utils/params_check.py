@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 _PYTHON_NUMBERS = (bool, int, float, complex)
@@ -107,3 +108,42 @@ def check_params_are_arrays(params: Any, where: str) -> None:
       f"{where} got params with a leaf that is not an array, at {where_leaf}"
       f" (a {type(leaf).__name__})." + _HINT
     )
+
+
+def check_float_grads(grads: Any, where: str, why: str) -> None:
+  """Raises a `TypeError` naming the first integer or bool leaf of `grads`.
+
+  `None` and `float0` leaves (what `jax.grad(..., allow_int=True)` gives for
+  integer inputs) pass. Runs when the step is traced: nothing is added to
+  the compiled step.
+
+  Args:
+    grads: the gradients pytree to check.
+    where: who received it, for the message (e.g. `"loss_scale_optimizer"`).
+    why: what would go wrong with such a leaf, one sentence.
+
+  Raises:
+    TypeError: naming the leaf's path and dtype, `why`, and the fix (keep
+      integer arrays out of the tree that is optimized).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_lossscale._src.utils.params_check import check_float_grads
+    >>> check_float_grads({'w': jnp.ones(2), 'b': None}, 'tx', 'It cannot be scaled.')
+    >>> check_float_grads({'n': jnp.arange(2)}, 'tx', 'It cannot be scaled.')
+    Traceback (most recent call last):
+    ...
+    TypeError: tx got an integer gradient leaf at ['n'] (dtype int32); it cannot be scaled. ...
+  """
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    dtype = getattr(g, "dtype", None)
+    if dtype is None or dtype == jax.dtypes.float0:
+      continue
+    if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
+      raise TypeError(
+        f"{where} got an integer gradient leaf at"
+        f" {jax.tree_util.keystr(path) or '<root>'} (dtype {dtype}); {why[0].lower()}{why[1:]}"
+        " Keep integer and bool arrays out of the tree you optimize (pass only the"
+        " float parameters to init, update and jax.grad), or give that leaf a float"
+        " gradient."
+      )

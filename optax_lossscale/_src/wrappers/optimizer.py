@@ -255,19 +255,11 @@ def _check_float_grads(grads: optax.Updates) -> None:
   would hand the inner optimizer a value `S` times too large (a silent
   `[-4, -8]` for `[-1, -2]` at scale 4).
   """
-  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    dtype = getattr(g, "dtype", None)
-    if dtype is None or dtype == jax.dtypes.float0:
-      continue
-    if jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_):
-      raise TypeError(
-        f"loss_scale_optimizer got an integer gradient leaf at"
-        f" {jax.tree_util.keystr(path) or '<root>'} (dtype {dtype}); it cannot be"
-        " unscaled and would reach the inner optimizer multiplied by the loss scale."
-        " Keep integer and bool arrays out of the tree you optimize (pass only the"
-        " float parameters to init, update and jax.grad), or give that leaf a float"
-        " gradient."
-      )
+  params_check.check_float_grads(
+    grads,
+    "loss_scale_optimizer",
+    "It cannot be unscaled and would reach the inner optimizer multiplied by the loss scale.",
+  )
 
 
 def _check_state(state: Any) -> None:
@@ -451,7 +443,9 @@ def loss_scale_optimizer(
     )
   keras_compat.check_keras_options(keras_options)
   inner_settings = conditional_step.settings_of(inner)
-  if inner_settings is not None and inner_settings["kind"] == composition.LOSS_SCALE:
+  inner_kind = None if inner_settings is None else inner_settings["kind"]
+  writes_params = inner_kind if inner_kind in composition.PARAM_WRITERS else None
+  if inner_kind == composition.LOSS_SCALE:
     raise ValueError(
       "loss_scale_optimizer cannot wrap another loss_scale_optimizer: the gradients"
       " would be unscaled twice. Wrap the inner optimizer once:"
@@ -505,6 +499,7 @@ def loss_scale_optimizer(
       writes_values=marked is not None,
       can_skip=state.loss_scale.skips,
       traced=composition.is_traced(grads),
+      writes_params=writes_params,
     )
     _check_float_grads(grads)
     if params is not None:

@@ -281,6 +281,7 @@ def skip_bad_steps(
       f" got {type(inner).__name__}."
     )
   inner_kind = (conditional_step.settings_of(inner) or {}).get("kind")
+  writes_params = inner_kind if inner_kind in composition.PARAM_WRITERS else None
   if inner_kind == composition.LOSS_SCALE:
     raise ValueError(
       "skip_bad_steps must go inside the loss-scale wrapper, not around it:"
@@ -455,6 +456,7 @@ def skip_bad_steps(
       "grad_norm" in monitors,
       writes_values=marked is not None,
       traced=composition.is_traced(grads),
+      writes_params=writes_params,
     )
     finite, values = watched_values(grads, extra_args.get("loss"), marked)
     stats = {name: getattr(state, name) for name in monitors}

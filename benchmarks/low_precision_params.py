@@ -1,0 +1,389 @@
+"""Training with bfloat16 parameters: what each remedy buys, and what it costs.
+
+With round-to-nearest, an update below half an ulp of a bfloat16 weight is
+lost (near 1.0: below 2**-9 or 2**-8). Three workloads train with Adam from
+the same initialisation and data, with each way of storing the parameters:
+
+* ``float32``: float32 parameters and Adam state (the reference);
+* ``bfloat16``: bfloat16 parameters, Adam's moments bfloat16 (optax's default
+  for them), round-to-nearest;
+* ``master weights``: `ols.master_weights(adam)`, a float32 master copy and
+  float32 moments; ``master weights, bf16 mu`` stores the first moment in
+  bfloat16 (`ols.state_dtypes`);
+* ``stochastic rounding``: `ols.stochastic_rounding(adam, key)`, bfloat16
+  moments; ``stochastic rounding, f32 nu`` keeps the second moment in
+  float32, the same bytes as Kahan, ``f32 moments`` both moments, the same
+  bytes as ``Kahan, f32 nu``;
+* ``Kahan``: Kahan-compensated updates (Zamirai et al. 2020): a bfloat16
+  compensation buffer per parameter holds what the last write rounded away
+  and is added to the next update; bfloat16 moments (``Kahan, f32 nu``: the
+  second moment in float32). Implemented here, for the measurement; see the
+  docs for why the package does not ship it.
+
+Workloads: a linear regression whose weights start at 1.0 (where the stall
+is worst), scikit-learn's digits MLP (float32 compute: only the storage
+differs) and the small transformer LM of `benchmarks/workloads.py` computing
+in bfloat16 on a synthetic Markov-chain language (each token has 4 equally
+likely successors: the best loss is log 4 = 1.386). Reported: the final loss
+(mean over seeds, with the spread), bytes per parameter held by the
+parameters and the optimizer state, and the step time relative to the
+``bfloat16`` step, as a median of interleaved rounds (one process: each
+round runs every variant for the same number of steps, in a shuffled order).
+
+`python -m benchmarks.low_precision_params [--quick] [--seeds K] [--out DIR]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+import itertools
+import json
+import pathlib
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from benchmarks import workloads
+import optax_lossscale as ols
+
+BF16 = jnp.bfloat16
+BASELINE = "bfloat16"
+
+
+class KahanState(NamedTuple):
+  inner_state: optax.OptState
+  compensation: Any  # per 16-bit parameter: minus what the last write rounded away
+
+
+def kahan(inner: optax.GradientTransformation) -> Callable[..., Any]:
+  """`(init, step)` of Kahan-compensated updates of 16-bit parameters.
+
+  Per parameter p (16-bit) with compensation c (same dtype), update u:
+    y = u - c;  t = round(p + y);  c = (t - p) - y;  p = t      (arithmetic in float32)
+  """
+
+  def init(params: Any) -> KahanState:
+    return KahanState(inner.init(params), jax.tree.map(jnp.zeros_like, params))
+
+  def step(grads: Any, state: KahanState, params: Any) -> tuple[Any, KahanState]:
+    updates, inner_state = inner.update(grads, state.inner_state, params)
+
+    def one(p: jax.Array, u: jax.Array, c: jax.Array) -> tuple[jax.Array, jax.Array]:
+      y = u.astype(jnp.float32) - c.astype(jnp.float32)
+      t = (p.astype(jnp.float32) + y).astype(p.dtype)
+      return t, ((t.astype(jnp.float32) - p.astype(jnp.float32)) - y).astype(c.dtype)
+
+    pairs = jax.tree.map(one, params, updates, state.compensation)
+    is_pair = lambda x: isinstance(x, tuple)
+    new_params = jax.tree.map(lambda pair: pair[0], pairs, is_leaf=is_pair)
+    compensation = jax.tree.map(lambda pair: pair[1], pairs, is_leaf=is_pair)
+    return new_params, KahanState(inner_state, compensation)
+
+  return init, step
+
+
+class Variant(NamedTuple):
+  dtype: Any  # of the parameters
+  init: Callable[[Any], Any]
+  step: Callable[[Any, Any, Any], tuple[Any, Any]]  # (grads, state, params) -> (params, state)
+
+
+def _optax(tx: optax.GradientTransformation, dtype: Any) -> Variant:
+  return Variant(dtype, tx.init, lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+
+
+def variants(lr: float, seed: int) -> dict[str, Variant]:
+  adam = lambda: optax.adam(lr)
+  return {
+    "float32": _optax(adam(), jnp.float32),
+    "bfloat16": _optax(adam(), BF16),
+    "master weights": _optax(ols.master_weights(adam()), BF16),
+    "master weights, bf16 mu": _optax(
+      ols.master_weights(ols.state_dtypes(adam(), {"mu": BF16})), BF16
+    ),
+    "stochastic rounding": _optax(ols.stochastic_rounding(adam(), key=seed), BF16),
+    "stochastic rounding, f32 nu": _optax(
+      ols.stochastic_rounding(ols.state_dtypes(adam(), {"nu": jnp.float32}), key=seed), BF16
+    ),
+    "stochastic rounding, f32 moments": _optax(
+      ols.stochastic_rounding(ols.state_dtypes(adam(), jnp.float32), key=seed), BF16
+    ),
+    "Kahan": Variant(BF16, *kahan(adam())),
+    "Kahan, f32 nu": Variant(BF16, *kahan(ols.state_dtypes(adam(), {"nu": jnp.float32}))),
+  }
+
+
+class Problem(NamedTuple):
+  name: str
+  description: str
+  params: Any  # float32, cast to each variant's dtype
+  loss_fn: Callable[[Any, Any], jax.Array]
+  batch: Callable[[int], Any]  # the training batch of a step
+  eval_batches: list[Any]  # the final loss is the mean over these
+  lr: float
+  steps: int
+
+
+def regression(seed: int, steps: int) -> Problem:
+  """y = x @ w_true, w_true uniform in [0.5, 1.5]; w starts at 1.0, float32 compute."""
+  d, batch = 256, 64
+  rng = np.random.default_rng(seed)
+  w_true = jnp.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32))
+  params = {"w": jnp.ones(d, jnp.float32)}
+
+  def make(i: int) -> Any:
+    x = np.random.default_rng([seed, i]).standard_normal((batch, d)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(x) @ w_true
+
+  def loss_fn(params: Any, data: Any) -> jax.Array:
+    x, y = data
+    return jnp.mean((x @ params["w"].astype(jnp.float32) - y) ** 2) / d
+
+  evals = [make(10**6 + i) for i in range(4)]
+  desc = f"linear regression, {d} weights from 1.0 to U(0.5, 1.5), batch {batch}"
+  return Problem("regression", desc, params, loss_fn, make, evals, 1e-3, steps)
+
+
+def digits_mlp(seed: int, steps: int) -> Problem:
+  """scikit-learn's digits, MLP 64-256-256-10, float32 compute from the stored params."""
+  from sklearn.datasets import load_digits
+
+  x, y = load_digits(return_X_y=True)
+  x = jnp.asarray((x / 16.0).astype(np.float32))
+  y = jnp.asarray(y)
+  sizes = (64, 256, 256, 10)
+  keys = jax.random.split(jax.random.key(seed), len(sizes))
+  params = {
+    f"layer{i}": {
+      "w": jax.random.normal(keys[i], (m, n)) * np.sqrt(2.0 / m),
+      "b": jnp.zeros(n),
+    }
+    for i, (m, n) in enumerate(itertools.pairwise(sizes))
+  }
+  batch = 128
+
+  def loss_fn(params: Any, data: Any) -> jax.Array:
+    h, labels = data
+    layers = [params[f"layer{i}"] for i in range(len(sizes) - 1)]
+    for i, layer in enumerate(layers):
+      h = h @ layer["w"].astype(jnp.float32) + layer["b"].astype(jnp.float32)
+      h = jax.nn.relu(h) if i < len(layers) - 1 else h
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h, labels))
+
+  def make(i: int) -> Any:
+    idx = np.random.default_rng([seed, i]).choice(len(x), batch, replace=False)
+    return x[idx], y[idx]
+
+  desc = f"digits MLP {'-'.join(map(str, sizes))}, batch {batch}, float32 compute"
+  return Problem("digits MLP", desc, params, loss_fn, make, [(x, y)], 1e-3, steps)
+
+
+def transformer_lm(seed: int, steps: int, quick: bool = False) -> Problem:
+  """The benchmark LM in bfloat16 compute, on a 4-successor Markov-chain language."""
+  size = dict(vocab=256, d_model=128, heads=4, layers=2, seq=64, batch=8)
+  if quick:
+    size = dict(vocab=64, d_model=32, heads=2, layers=1, seq=16, batch=4)
+  batch = size.pop("batch")
+  model = workloads._lm_model(**size, dtype=BF16)
+  vocab, seq = size["vocab"], size["seq"]
+  successors = np.random.default_rng(1234).integers(0, vocab, (vocab, 4))
+
+  def make(i: int) -> jax.Array:
+    rng = np.random.default_rng([seed, i])
+    tokens = np.empty((batch, seq + 1), np.int32)
+    tokens[:, 0] = rng.integers(0, vocab, batch)
+    choices = rng.integers(0, 4, (batch, seq))
+    for t in range(seq):
+      tokens[:, t + 1] = successors[tokens[:, t], choices[:, t]]
+    return jnp.asarray(tokens)
+
+  params = model.init(jax.random.key(seed), make(0)[:, :-1])["params"]
+
+  def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+    logits = model.apply({"params": params}, tokens[:, :-1]).astype(jnp.float32)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
+
+  evals = [make(10**6 + i) for i in range(8)]
+  n = workloads.num_params(params)
+  desc = (
+    f"transformer LM {size['layers']}x{size['d_model']}, {n / 1e6:.2f}M params,"
+    f" {batch}x{seq} tokens, bfloat16 compute, best loss log 4 = 1.386"
+  )
+  return Problem("transformer LM", desc, params, loss_fn, make, evals, 1e-3, steps)
+
+
+def _bytes_per_param(params: Any, state: Any) -> float:
+  total = sum(x.nbytes for x in jax.tree.leaves((params, state)))
+  return total / workloads.num_params(params)
+
+
+def _compile(problem: Problem, variant: Variant) -> tuple[Any, Any, Any]:
+  params = jax.tree.map(lambda p: jnp.array(p, variant.dtype, copy=True), problem.params)
+  state = variant.init(params)
+
+  def train_step(params: Any, state: Any, data: Any) -> tuple[Any, Any]:
+    grads = jax.grad(problem.loss_fn)(params, data)
+    return variant.step(grads, state, params)
+
+  return jax.jit(train_step, donate_argnums=(0, 1)), params, state
+
+
+def train(
+  problem: Problem, variant: Variant, evaluate: Callable[[Any, Any], jax.Array]
+) -> tuple[dict[str, float], list[Any]]:
+  """Trains `problem.steps` steps; the results and `[step, params, state]` to time on."""
+  step, params, state = _compile(problem, variant)
+  bytes_per_param = _bytes_per_param(params, state)
+  for i in range(problem.steps):
+    params, state = step(params, state, problem.batch(i))
+  final = float(np.mean([evaluate(params, b) for b in problem.eval_batches]))
+  return {"loss": final, "bytes_per_param": bytes_per_param}, [step, params, state]
+
+
+def time_steps(
+  runs: dict[str, list[Any]], data: Any, rounds: int, steps: int, seed: int = 0
+) -> dict[str, dict[str, float]]:
+  """Median ms per step and the median over rounds of the ratio to the baseline.
+
+  `runs` maps each variant to `[compiled step, params, state]`; each round runs
+  every variant `steps` steps on `data`, in a freshly shuffled order.
+  """
+  rng = np.random.default_rng(seed)
+  order = list(runs)
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  for _ in range(rounds):
+    rng.shuffle(order)
+    for name in order:
+      step, params, state = runs[name]
+      start = time.perf_counter()
+      for _ in range(steps):
+        params, state = step(params, state, data)
+      jax.block_until_ready(params)
+      times[name].append((time.perf_counter() - start) / steps)
+      runs[name][1:] = [params, state]
+  base = np.asarray(times[BASELINE])
+  return {
+    name: {"ms": float(np.median(t) * 1e3), "ratio": float(np.median(np.asarray(t) / base))}
+    for name, t in times.items()
+  }
+
+
+PROBLEMS = ("regression", "digits", "lm")
+
+
+def measure(
+  quick: bool = False, seeds: int = 3, rounds: int = 7, only: set[str] | None = None
+) -> dict[str, Any]:
+  """Trains every variant on every problem and seed, then times the first seed's steps."""
+  if only is not None and not only <= set(PROBLEMS):
+    raise ValueError(f"only must name some of {PROBLEMS}; got {sorted(only)}.")
+  # (problem maker, seeds, steps timed per round: enough that a round outlasts the noise)
+  if quick:
+    sizes = {
+      "regression": (lambda s: regression(s, 30), 1, 1),
+      "digits": (lambda s: digits_mlp(s, 20), 1, 1),
+      "lm": (lambda s: transformer_lm(s, 5, quick=True), 1, 1),
+    }
+    rounds = 1
+  else:
+    sizes = {
+      "regression": (lambda s: regression(s, 1000), seeds, 400),
+      "digits": (lambda s: digits_mlp(s, 1000), seeds, 100),
+      "lm": (lambda s: transformer_lm(s, 400), 1, 10),
+    }
+  problems = [sizes[name] for name in PROBLEMS if only is None or name in only]
+  report = []
+  for make, n_seeds, timed_steps in problems:
+    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[Any]] = {}
+    for seed in range(n_seeds):
+      problem = make(seed)
+      if seed == 0:
+        first = problem
+      evaluate = jax.jit(problem.loss_fn)  # compiled once per parameter dtype
+      for name, variant in variants(problem.lr, seed).items():
+        start = time.perf_counter()
+        out, run = train(problem, variant, evaluate)
+        if seed == 0:
+          runs[name] = run
+        entry = results.setdefault(name, {"losses": [], "bytes_per_param": out["bytes_per_param"]})
+        entry["losses"].append(out["loss"])
+        print(
+          f"{problem.name:15s} seed {seed} {name:28s} loss {out['loss']:.4g}"
+          f" ({time.perf_counter() - start:.0f} s)",
+          flush=True,
+        )
+    timing = time_steps(runs, first.batch(0), rounds, timed_steps)
+    for name, entry in results.items():
+      entry.update(timing[name])
+    report.append(
+      {
+        "problem": first.name,
+        "description": first.description,
+        "steps": first.steps,
+        "seeds": n_seeds,
+        "timed_steps": timed_steps,
+        "results": results,
+      }
+    )
+  meta = {
+    "backend": jax.default_backend(),
+    "devices": str(jax.devices()),
+    "jax": jax.__version__,
+    "quick": quick,
+    "rounds": rounds,
+  }
+  return {"meta": meta, "workloads": report}
+
+
+def markdown(report: dict[str, Any]) -> str:
+  lines = []
+  for w in report["workloads"]:
+    lines += [
+      f"**{w['problem']}**: {w['description']}; {w['steps']} Adam steps (lr 1e-3),"
+      f" {w['seeds']} seed{'s' if w['seeds'] > 1 else ''}.",
+      "",
+      "| variant | final loss | bytes / param | step time vs bfloat16 |",
+      "| --- | --- | --- | --- |",
+    ]
+    for name, r in w["results"].items():
+      losses = np.asarray(r["losses"])
+      spread = f" ({losses.min():.3g} to {losses.max():.3g})" if len(losses) > 1 else ""
+      lines.append(
+        f"| {name} | {losses.mean():.4g}{spread} | {r['bytes_per_param']:.1f} | x{r['ratio']:.2f} |"
+      )
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="tiny sizes and steps (a smoke test)")
+  parser.add_argument("--seeds", type=int, default=3, help="seeds of the regression and the MLP")
+  parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
+  parser.add_argument("--out", type=pathlib.Path, default=None, help="write <backend>.json here")
+  parser.add_argument(
+    "--only", default=None, help="a comma-separated subset of: regression, digits, lm"
+  )
+  args = parser.parse_args(argv)
+  start = time.perf_counter()
+  only = None if args.only is None else set(args.only.split(","))
+  report = measure(quick=args.quick, seeds=args.seeds, rounds=args.rounds, only=only)
+  table = markdown(report)
+  print(table)
+  print(f"total {time.perf_counter() - start:.0f} s")
+  if args.out is not None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "-quick" if args.quick else ""
+    path = args.out / f"low_precision_params-{jax.default_backend()}{suffix}.json"
+    path.write_text(json.dumps(report, indent=1))
+    (path.with_suffix(".md")).write_text(table)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,154 @@
+"""Stochastic rounding of float32 values to bfloat16 and float16, unbiased to the bit.
+
+A float32 value `x` lies between two neighbours `lo <= x < hi` of the target
+dtype, `hi - lo` one unit in the last place (ulp) of the target at `x`.
+Stochastic rounding returns `hi` with probability `(x - lo) / (hi - lo)`,
+else `lo`, so its expected value is `x` (Gupta et al. 2015). With integers:
+
+  x = M * 2**(E - 23)            M the 24-bit significand, E the exponent
+  s = the bits of M below the target's ulp at x:
+      23 - nmant                 in the target's normal range (16 for bfloat16, 13 for float16)
+      more below it              (float16's subnormals: a fixed ulp of 2**-24)
+  k = (M >> s) + carry           carry = 1 iff R + (M mod 2**s) >= 2**s, R uniform in [0, 2**s)
+  result bits = the target's exponent field and k (a carry into the exponent is the next
+                binade, or infinity above the largest finite value)
+
+which is "add `s` random bits below the target's mantissa and truncate": for
+bfloat16 (float32's exponent range, so `s` is always 16) exactly that on the
+float32 bits. Everything is integer arithmetic on the bits: no float op that
+a CPU might flush to zero on a subnormal, and the probability is exact (the
+random bits are the top `s` of 32; below 1/256 of float16's smallest
+subnormal, where `s` would pass 32, it is resolved to 2**-32). A value past
+the largest finite one rounds to infinity with the probability it would
+round up there (float16: `(x - 65504) / 32`, 1 at 65536 and beyond), as
+round-to-nearest overflows from 65520 on; infinities and NaNs stay what they
+are, zeros keep their sign.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_F32_MANT = 23
+
+
+def check_dtype(dtype: Any, what: str) -> np.dtype:
+  """`dtype` as a NumPy dtype if stochastic rounding supports it, else a ValueError."""
+  try:
+    target = np.dtype(dtype)
+  except TypeError:
+    target = None
+  if target not in SUPPORTED:
+    raise ValueError(
+      f"{what} must be bfloat16 or float16, the dtypes stochastic rounding rounds to;"
+      f" got {dtype!r}."
+    )
+  return target
+
+
+def round_with_bits(x: jax.Array, bits: jax.Array, dtype: Any) -> jax.Array:
+  """`x` (float32) rounded stochastically to `dtype` with the uint32 random `bits`.
+
+  The same `bits` give the same result: the randomness is all in `bits`, one
+  uniform uint32 per element (`jax.random.bits`).
+  """
+  target = check_dtype(dtype, "dtype")
+  x = jnp.asarray(x, jnp.float32)
+  raw = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  sign = (raw >> 16) & np.uint32(0x8000)
+  if target == np.dtype(jnp.bfloat16):
+    # float32's exponent range: the low 16 bits are always below the target's ulp,
+    # and a carry out of them rounds up (to the next binade, or to infinity).
+    magnitude = raw & np.uint32(0x7FFFFFFF)
+    out = (magnitude + (bits >> 16)) >> 16
+  else:
+    out = _round_narrower_exponent(raw, bits, target)
+  out = out | sign
+  out = jnp.where(jnp.isnan(x), out | np.uint32(_quiet_nan_bits(target)), out)
+  return jax.lax.bitcast_convert_type(out.astype(jnp.uint16), target)
+
+
+def _quiet_nan_bits(target: np.dtype) -> int:
+  finfo = jnp.finfo(target)
+  return ((1 << finfo.nexp) - 1) << finfo.nmant | 1 << (finfo.nmant - 1)
+
+
+def _round_narrower_exponent(raw: jax.Array, bits: jax.Array, target: np.dtype) -> jax.Array:
+  """The target's magnitude bits, for a dtype with a narrower exponent range (float16)."""
+  finfo = jnp.finfo(target)
+  nmant, emin, emax = int(finfo.nmant), int(finfo.minexp), int(finfo.maxexp) - 1
+  bias = 1 - emin
+  inf_bits = np.uint32(((1 << finfo.nexp) - 1) << nmant)
+  field = ((raw >> _F32_MANT) & np.uint32(0xFF)).astype(jnp.int32)
+  fraction = raw & np.uint32((1 << _F32_MANT) - 1)
+  subnormal32 = field == 0
+  significand = jnp.where(subnormal32, fraction, fraction | np.uint32(1 << _F32_MANT))
+  exponent = jnp.where(subnormal32, -126, field - 127)
+  # Bits of the significand below the target's ulp: its mantissa's width in the
+  # normal range, more where the target is subnormal (a fixed ulp of 2**(emin - nmant)).
+  drop = jnp.maximum(_F32_MANT - nmant, _F32_MANT - nmant + emin - exponent)
+  within = drop <= 32
+  shift = jnp.minimum(drop, 31).astype(jnp.uint32)
+  kept = jnp.where(drop >= 32, np.uint32(0), significand >> shift)
+  mask = jnp.where(drop >= 32, np.uint32(0xFFFFFFFF), (np.uint32(1) << shift) - 1)
+  below = significand & mask
+  # Up with probability below / 2**drop: the top `drop` random bits R, and
+  # R + below >= 2**drop, i.e. R > mask - below (no overflow).
+  top = jnp.where(drop >= 32, bits, bits >> (32 - jnp.clip(drop, 1, 32)).astype(jnp.uint32))
+  carry_within = (below != 0) & (top > mask - below)
+  # drop > 32 (below 1/256 of the smallest subnormal): probability significand / 2**drop,
+  # resolved to 2**-32.
+  scaled = significand >> jnp.clip(drop - 32, 0, 31).astype(jnp.uint32)
+  carry_beyond = (scaled != 0) & (bits > np.uint32(0xFFFFFFFF) - scaled)
+  k = kept + jnp.where(within, carry_within, carry_beyond).astype(jnp.uint32)
+  normal = exponent >= emin
+  base = jnp.where(normal, (exponent + bias - 1).astype(jnp.uint32), np.uint32(0))
+  out = jnp.where(normal, (base << nmant) + k, k)
+  out = jnp.where((exponent > emax) | (field == 0xFF), inf_bits, out)
+  return out
+
+
+def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+  """Rounds `x` to `dtype` up or down at random, with the expected value `x`.
+
+  Each element of `x` (cast to float32) becomes one of its two neighbours in
+  `dtype`, the upper with probability equal to the distance from the lower
+  over their spacing: the mean over keys is `x`, where round-to-nearest
+  would return the same neighbour every time. Exact for every float32 value,
+  subnormals included (integer arithmetic on the bits); a value past the
+  largest finite one becomes infinity with the probability of rounding up
+  there; infinities, NaNs and signed zeros stay as they are.
+
+  Args:
+    x: an array; it is cast to float32 first.
+    dtype: `jnp.bfloat16` or `jnp.float16`.
+    key: a PRNG key (typed, or a raw uint32 key): the same key gives the
+      same result.
+
+  Returns:
+    An array of `dtype` shaped like `x`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> x = jnp.full(10000, 1.0 + 2.0**-10)  # 1/8 of the way from 1 to the next bfloat16
+    >>> x.astype(jnp.bfloat16)[0]  # round to nearest: always down
+    Array(1, dtype=bfloat16)
+    >>> y = ols.stochastic_round(x, jnp.bfloat16, jax.random.key(0))
+    >>> sorted(set(y.tolist())), round(float(y.astype(jnp.float32).mean() - 1) * 2**10, 1)
+    ([1.0, 1.0078125], 1.0)
+
+  References:
+    Gupta et al., 2015, "Deep Learning with Limited Numerical Precision",
+    https://arxiv.org/abs/1502.02551; Zamirai et al., 2020, "Revisiting
+    BFloat16 Training", https://arxiv.org/abs/2010.06192.
+  """
+  target = check_dtype(dtype, "dtype")
+  x = jnp.asarray(x)
+  bits = jax.random.bits(key, x.shape, jnp.uint32)
+  return round_with_bits(x, bits, target)

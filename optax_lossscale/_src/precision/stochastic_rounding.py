@@ -1,0 +1,230 @@
+"""`stochastic_rounding`: 16-bit parameters that learn, with no master copy.
+
+A bfloat16 weight near 1.0 rounds every update below 2**-8 away. Rounded
+stochastically instead, it moves by a whole ulp with the probability the
+update is of an ulp, so it moves by the update on average (Gupta et al.
+2015; Zamirai et al. 2020, "Revisiting BFloat16 Training"):
+
+  updates, inner_state = inner.update(grads, inner_state, params)   (on the 16-bit params)
+  step_key, key = split(key)
+  for each bfloat16 or float16 parameter p (the i-th leaf):
+    new = p.astype(float32) + updates.astype(float32)
+    p = stochastic_round(new, p.dtype, fold_in(step_key, i))         (E[p] = new)
+
+The state holds `inner`'s state (of the parameters' dtypes, as without this
+wrapper) and the key: nothing of the parameters' size is added. The key
+advances once per applied step; inside `loss_scale_optimizer` or
+`skip_bad_steps` a skipped step leaves it, like any inner state, untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_lossscale._src.precision import master_weights as master_lib
+from optax_lossscale._src.precision import param_write, rounding
+from optax_lossscale._src.step import composition, skip_branch
+from optax_lossscale._src.utils import params_check
+
+
+class StochasticRoundingState(NamedTuple):
+  """State of `stochastic_rounding`.
+
+  Attributes:
+    inner_state: the wrapped transformation's state, built on the parameters
+      as they are (bfloat16 parameters give `optax.adam` bfloat16 moments;
+      see `state_dtypes` to keep some in float32).
+    key: the PRNG key of the next applied step, as raw uint32 key data
+      (`jax.random.key_data`), so that every checkpointer stores it.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.stochastic_rounding(optax.sgd(1e-3), key=0)
+    >>> state = tx.init({'w': jnp.ones(2, jnp.bfloat16)})
+    >>> state.key.dtype, state.key.shape
+    (dtype('uint32'), (2,))
+  """
+
+  inner_state: optax.OptState
+  key: jax.Array
+
+
+def _check_key(key: Any) -> Any:
+  """Validates `key` at construction: a typed key, a raw uint32 key or an int seed."""
+  accepted = (
+    "a PRNG key (jax.random.key(0), or a raw uint32 key such as jax.random.PRNGKey(0)) or"
+    " an int seed"
+  )
+  if isinstance(key, (bool, np.bool_)):
+    raise ValueError(f"key must be {accepted}; got {key!r}.")
+  if isinstance(key, (int, np.integer)):
+    if not 0 <= int(key) < 2**63:
+      raise ValueError(f"key must be {accepted}; got the seed {key!r}, outside [0, 2**63).")
+    return int(key)
+  dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+  if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if shape == ():
+      return key
+  elif dtype is not None and np.dtype(dtype) == np.uint32 and shape == (2,):
+    return key
+  elif dtype is not None and jnp.issubdtype(dtype, jnp.integer) and shape == ():
+    return key  # a seed held in an array (a traced one too)
+  raise ValueError(
+    f"key must be {accepted}, one key (not a batch of them); got"
+    f" {type(key).__name__}{f' of dtype {dtype} and shape {shape}' if dtype else ''}."
+  )
+
+
+def _is_typed(key: Any) -> bool:
+  return hasattr(key, "dtype") and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(key: Any) -> jax.Array:
+  """The raw uint32 data of a key checked by `_check_key` (a seed makes a default key)."""
+  if _is_typed(key):
+    return jax.random.key_data(key)
+  if hasattr(key, "dtype") and np.dtype(key.dtype) == np.uint32:
+    return jnp.asarray(key)
+  return jax.random.key_data(jax.random.key(key))
+
+
+def _rounded(leaf: Any, path: Any) -> bool:
+  """Whether a parameter is rounded stochastically; raises for a dtype it cannot round to."""
+  dtype = np.dtype(jnp.result_type(leaf))
+  if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
+    return False
+  if dtype not in rounding.SUPPORTED:
+    raise ValueError(
+      "stochastic_rounding rounds bfloat16 and float16 parameters; the parameter at"
+      f" {jax.tree_util.keystr(path) or '<root>'} is {dtype}. Keep it in one of those"
+      " dtypes, or out of the tree this transformation steps."
+    )
+  return True
+
+
+def stochastic_rounding(
+  inner: optax.GradientTransformation, key: Any
+) -> optax.GradientTransformationExtraArgs:
+  """Writes each 16-bit parameter as its float32 update, rounded stochastically.
+
+  Runs `inner` on the parameters as they are, computes each bfloat16 or
+  float16 parameter's new value in float32 (`p + update`) and rounds it
+  stochastically to the parameter's dtype (`ols.stochastic_round`): up or
+  down, with the expected value the float32 result, so updates far below
+  half an ulp still move the parameter on average. Wider parameters are
+  stepped as `inner` steps them; an integer or bool gradient raises a
+  `TypeError` naming it. No copy of the parameters is kept: the state is
+  `inner`'s and one key.
+
+  The key advances once per applied step and is folded with each leaf's
+  index, so every leaf gets its own bits. Under `jit` over a mesh, JAX's
+  partitionable threefry draws each shard's bits where the shard lives:
+  the same bits as on one device. Inside `shard_map`, a parameter varying
+  over mesh axes also folds in its shard's `axis_index` along them (a
+  replicated one does not, so its replicas stay equal): reproducible for a
+  given mesh.
+
+  The write is exact (the rounded value, bit for bit) through
+  `ols.apply_gradients`, `optax_lossscale.flax.TrainState` and an outer
+  wrapper; through `tx.update` and `optax.apply_updates` the updates are
+  float32, with the caveat of `master_weights` (the sign of a zero; a
+  parameter that shrinks by over 2**15 in one step). Put it inside the
+  wrappers, `loss_scale_optimizer(stochastic_rounding(inner, key))`, so that
+  a skipped step leaves the key untouched; the other order is refused, as
+  is a transformation after it in a chain.
+
+  Args:
+    inner: the transformation to run, e.g. `optax.adam(1e-3)`.
+    key: a PRNG key (`jax.random.key(0)`, or a raw uint32 key such as
+      `jax.random.PRNGKey(0)`) or an int seed: the same key gives the same
+      run, bit for bit.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    `StochasticRoundingState`; `ols.apply_gradients(tx, ...)` writes the
+    parameters in the same step.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> params = {'w': jnp.ones(1000, jnp.bfloat16)}
+    >>> grads = {'w': jnp.ones(1000, jnp.bfloat16)}
+    >>> tx = ols.stochastic_rounding(optax.sgd(1e-3), key=0)
+    >>> state = tx.init(params)
+    >>> for _ in range(10):
+    ...   params, state = ols.apply_gradients(tx, grads, state, params)
+    >>> round(float(params['w'].astype(jnp.float32).mean()), 2)  # 1 - 10 * 1e-3 on average
+    0.99
+
+  References:
+    Gupta et al., 2015, "Deep Learning with Limited Numerical Precision",
+    https://arxiv.org/abs/1502.02551; Zamirai et al., 2020, "Revisiting
+    BFloat16 Training", https://arxiv.org/abs/2010.06192.
+  """
+  kind = composition.STOCHASTIC_ROUNDING
+  user_inner = master_lib.check_inner(inner, kind)
+  key = _check_key(key)
+  # A typed key names its implementation (threefry, rbg, ...); a seed or raw key is the
+  # default's. Read off the dtype: no backend is started here.
+  impl = jax.random.key_impl(key) if _is_typed(key) else None
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params: optax.Params) -> StochasticRoundingState:
+    params_check.check_params_are_arrays(params, "stochastic_rounding.init")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+      _rounded(leaf, path)
+    # Fresh buffers: a donated state must not delete the caller's key.
+    return StochasticRoundingState(
+      inner.init(params), jnp.array(_key_data(key), jnp.uint32, copy=True)
+    )
+
+  composition.register_init(init_fn, kind)
+
+  def compute(
+    grads: Any, state: Any, params: Any, extra_args: dict[str, Any], fused: bool
+  ) -> tuple[list[Any], list[Any], StochasticRoundingState]:
+    del fused  # the new values are computed from the updates, so inner always updates
+    if not isinstance(state, StochasticRoundingState):
+      raise TypeError(
+        "stochastic_rounding's update expects the StochasticRoundingState that its init"
+        f" returned; got {type(state).__name__}. Pass this transformation's state,"
+        " opt_state = tx.init(params) with tx the stochastic_rounding transformation."
+      )
+    params_check.check_float_grads(
+      grads, "stochastic_rounding", "It has no float32 value to round."
+    )
+    params_check.check_params_are_arrays(params, "stochastic_rounding.update")
+    updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    typed = jax.random.wrap_key_data(state.key, **({} if impl is None else {"impl": impl}))
+    step_key, next_key = jax.random.split(typed)
+    new_params, own_updates = [], []
+    for i, ((path, p), u) in enumerate(zip(flat, treedef.flatten_up_to(updates), strict=True)):
+      if not _rounded(p, path):
+        new_params.append(optax.apply_updates(p, u))
+        own_updates.append(u)
+        continue
+      p = jnp.asarray(p)
+      exact = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
+      bits = jax.random.bits(_leaf_key(step_key, i, p), p.shape, jnp.uint32)
+      new_params.append(rounding.round_with_bits(exact, bits, p.dtype))
+      own_updates.append(None)
+    new_state = StochasticRoundingState(inner_state, jax.random.key_data(next_key))
+    return new_params, own_updates, new_state
+
+  update_fn = param_write.attach_write(kind, compute, {"inner": user_inner})
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _leaf_key(step_key: jax.Array, index: int, param: jax.Array) -> jax.Array:
+  """The key of the `index`-th leaf; inside `shard_map`, of this shard of it."""
+  key = jax.random.fold_in(step_key, index)
+  for axis in sorted(skip_branch.varying_axes(param), key=str):
+    key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+  return key

@@ -1,0 +1,492 @@
+"""master_weights: 16-bit parameters stepped through a float32 master copy.
+
+Every applied step is compared bit for bit with a hand-written master loop
+(float32 master, the inner optimizer on it with float32-promoted gradients,
+param = master.astype(param dtype)), eagerly, under `jit` and in `lax.scan`.
+"""
+
+from __future__ import annotations
+
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_lossscale as ols
+
+BF16 = jnp.bfloat16
+SCALE = 2.0**10  # a power of two: scaling and unscaling are exact
+
+INNERS = {
+  "adam": lambda: optax.adam(1e-3),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+  "clip_adamw_schedule": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.inject_hyperparams(optax.adamw)(
+      learning_rate=optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=1e-2
+    ),
+  ),
+}
+
+
+def make_params(dtype=BF16):
+  """Weights near 1.0 in `dtype` and one float32 leaf, which keeps no master."""
+  return {
+    "w": (1.0 + jnp.linspace(-0.1, 0.1, 12, dtype=jnp.float32).reshape(3, 4)).astype(dtype),
+    "b": jnp.array([0.5, -0.25, 0.125, 1.0], dtype),
+    "c": jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32),
+  }
+
+
+def loss_fn(params, x):
+  f32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  pred = jnp.tanh(x @ f32["w"] + f32["b"] + f32["c"])
+  return jnp.mean((pred - 0.3) ** 2)
+
+
+def batch(step):
+  return jnp.cos(jnp.arange(6.0).reshape(2, 3) + step)
+
+
+grads_of = jax.jit(jax.grad(loss_fn))
+scaled_grads_of = jax.jit(jax.grad(lambda p, x, s: loss_fn(p, x) * s))
+
+
+def reference_run(inner, params, batches, jit=True, scale=None):
+  """The hand-written master loop; `None` in `batches` is a skipped step.
+
+  Each step is one compiled program, or with `jit=False` runs op by op (XLA
+  may round a fused program's multiply-adds differently from eager ops).
+  With `scale`, the gradients are of the scaled loss, unscaled in the step
+  (where the loss-scale wrapper unscales them), exactly (a power of two).
+  """
+  narrow = {k: v.dtype for k, v in params.items() if v.dtype != jnp.float32}
+  master = {k: v.astype(jnp.float32) for k, v in params.items()}
+  state = inner.init(master)
+
+  def step(grads, state, master):
+    if scale is not None:
+      grads = jax.tree.map(lambda g: g * jnp.asarray(1 / scale, g.dtype), grads)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, state = inner.update(grads, state, master)
+    return optax.apply_updates(master, updates), state
+
+  step = jax.jit(step) if jit else step
+  history = []
+  for x in batches:
+    if x is not None:
+      grads = grads_of(params, x) if scale is None else scaled_grads_of(params, x, scale)
+      master, state = step(grads, state, master)
+      params = {k: v.astype(narrow[k]) if k in narrow else v for k, v in master.items()}
+    history.append((params, master, state))
+  return history
+
+
+def assert_bits_equal(a, b):
+  chex.assert_trees_all_equal_dtypes(a, b)
+  chex.assert_trees_all_equal(a, b)
+
+
+def assert_matches_reference(params, state, reference):
+  ref_params, ref_master, ref_state = reference
+  assert_bits_equal(params, ref_params)
+  assert_bits_equal(state.master["w"], ref_master["w"])
+  assert_bits_equal(state.master["b"], ref_master["b"])
+  assert state.master["c"] is None
+  assert_bits_equal(state.inner_state, ref_state)
+
+
+def test_control_plain_bfloat16_adam_does_not_move_weights_near_one():
+  # The stall the issue describes: every Adam step (about lr = 1e-3) is below
+  # half an ulp of a bfloat16 weight near 1.0 (2**-8 or 2**-9).
+  params = {"w": (1.0 + jnp.linspace(-0.05, 0.05, 64)).astype(BF16)}
+  tx = optax.adam(1e-3)
+  state = tx.init(params)
+  start = params
+  for step in range(50):
+    grads = {"w": (1.0 + 0.5 * jnp.cos(jnp.arange(64.0) + step)).astype(BF16)}
+    params, state = ols.apply_gradients(tx, grads, state, params)
+  assert_bits_equal(params, start)
+  # The same steps through a master copy move every weight.
+  tx = ols.master_weights(optax.adam(1e-3))
+  params, state = start, tx.init(start)
+  for step in range(50):
+    grads = {"w": (1.0 + 0.5 * jnp.cos(jnp.arange(64.0) + step)).astype(BF16)}
+    params, state = ols.apply_gradients(tx, grads, state, params)
+  assert params["w"].dtype == BF16
+  assert bool(jnp.all(params["w"] != start["w"]))
+
+
+class EquivalenceTest(parameterized.TestCase):
+  @parameterized.product(inner=sorted(INNERS), dtype=["bfloat16", "float16"])
+  def test_applied_steps_equal_the_hand_written_master_loop(self, inner, dtype):
+    dtype = jnp.dtype(dtype)
+    batches = [batch(i) for i in range(8)]
+    reference = reference_run(INNERS[inner](), make_params(dtype), batches)
+    tx = ols.master_weights(INNERS[inner]())
+    step = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+    params = make_params(dtype)
+    state = tx.init(params)
+    for x, expected in zip(batches, reference, strict=True):
+      params, state = step(grads_of(params, x), state, params)
+      assert_matches_reference(params, state, expected)
+    self.assertFalse(bool(jnp.all(params["w"] == make_params(dtype)["w"])))
+
+  def test_eager_update_and_apply_updates_land_on_the_same_bits(self):
+    batches = [batch(i) for i in range(6)]
+    reference = reference_run(optax.adam(1e-3), make_params(), batches, jit=False)
+    tx = ols.master_weights(optax.adam(1e-3))
+    params = make_params()
+    state = tx.init(params)
+    for x, expected in zip(batches, reference, strict=True):
+      updates, state = tx.update(grads_of(params, x), state, params)  # eager, op by op
+      self.assertEqual(updates["w"].dtype, jnp.float32)
+      params = optax.apply_updates(params, updates)
+      assert_matches_reference(params, state, expected)
+
+  def test_scan_equals_the_master_loop_in_scan(self):
+    xs = jnp.stack([batch(i) for i in range(6)])
+    inner = optax.adam(1e-3)
+    tx = ols.master_weights(inner)
+
+    def ours(carry, x):
+      params, state = carry
+      return ols.apply_gradients(tx, jax.grad(loss_fn)(params, x), state, params), None
+
+    def hand(carry, x):
+      params, master, state = carry
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(loss_fn)(params, x))
+      updates, state = inner.update(grads, state, master)
+      master = optax.apply_updates(master, updates)
+      params = {k: v.astype(params[k].dtype) for k, v in master.items()}
+      return (params, master, state), None
+
+    params = make_params()
+    (got_params, got_state), _ = jax.jit(lambda c: jax.lax.scan(ours, c, xs))(
+      (params, tx.init(params))
+    )
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    (ref_params, ref_master, ref_state), _ = jax.jit(lambda c: jax.lax.scan(hand, c, xs))(
+      (params, master, inner.init(master))
+    )
+    assert_matches_reference(got_params, got_state, (ref_params, ref_master, ref_state))
+
+  def test_a_float32_parameter_is_left_as_it_is(self):
+    params = {"c": jnp.linspace(-1.0, 1.0, 4), "w": jnp.ones(3, BF16)}
+    tx = ols.master_weights(optax.adam(1e-2))
+    state = tx.init(params)
+    self.assertIsNone(state.master["c"])
+    self.assertEqual(state.master["w"].dtype, jnp.float32)
+    # Adam's moments: float32 on the master, and float32 for the float32 leaf.
+    self.assertEqual(state.inner_state[0].mu["w"].dtype, jnp.float32)
+    grads = {"c": jnp.array([1.0, -2.0, 3.0, 0.5]), "w": jnp.ones(3, BF16)}
+    new_params, new_state = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(
+      grads, state, params
+    )
+    self.assertIsNone(new_state.master["c"])
+    # The float32 leaf is stepped as the hand-written loop steps it (optax's eager Adam
+    # rounds a leaf's last bit differently in another tree: the same tree here).
+    bare = optax.adam(1e-2)
+    on_master = {"c": params["c"], "w": params["w"].astype(jnp.float32)}
+    promoted = {"c": grads["c"], "w": grads["w"].astype(jnp.float32)}
+    bare_updates, _ = jax.jit(bare.update)(promoted, bare.init(on_master))
+    expected = jax.jit(optax.apply_updates)(on_master, bare_updates)["c"]
+    np.testing.assert_array_equal(new_params["c"], expected)
+    # Through update, the float32 leaf's update is the inner optimizer's own.
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    np.testing.assert_array_equal(updates["c"], bare_updates["c"])
+
+  def test_a_float64_master_for_float32_parameters(self):
+    # jax.enable_x64 since jax 0.9; jax.experimental.enable_x64 before.
+    enable_x64 = getattr(jax, "enable_x64", None)
+    if enable_x64 is None:
+      from jax.experimental import enable_x64
+    with enable_x64(True):
+      params = {"w": jnp.ones(2, jnp.float32)}
+      tx = ols.master_weights(optax.sgd(1e-9), master_dtype=jnp.float64)
+      state = tx.init(params)
+      self.assertEqual(state.master["w"].dtype, jnp.float64)
+      for _ in range(10):
+        params, state = ols.apply_gradients(tx, {"w": jnp.ones(2, jnp.float32)}, state, params)
+      np.testing.assert_allclose(np.asarray(state.master["w"]), 1 - 1e-8, rtol=0, atol=1e-15)
+      self.assertEqual(params["w"].dtype, jnp.float32)
+
+  def test_master_is_a_copy_sharing_no_buffer(self):
+    params = {"w": jnp.ones(3, BF16)}
+    state = ols.master_weights(optax.sgd(0.1)).init(params)
+    params["w"].delete()  # a donated parameter must not take the master with it
+    self.assertEqual(float(state.master["w"][0]), 1.0)
+
+
+class SkipTest(parameterized.TestCase):
+  @parameterized.product(skip_mode=["cond", "select"], fused=[True, False])
+  def test_a_nan_step_inside_loss_scale_optimizer_leaves_master_and_params(self, skip_mode, fused):
+    bad = 3
+    batches = [batch(i) for i in range(7)]
+    reference = reference_run(
+      optax.adam(1e-3),
+      make_params(),
+      [None if i == bad else x for i, x in enumerate(batches)],
+      scale=SCALE,
+    )
+    tx = ols.loss_scale_optimizer(
+      ols.master_weights(optax.adam(1e-3)),
+      ols.DynamicLossScale(SCALE, increment_period=1000),
+      skip_mode=skip_mode,
+    )
+
+    @jax.jit
+    def step(params, state, x, poison):
+      grads = scaled_grads_of(params, x, state.loss_scale())
+      grads = {**grads, "w": jnp.where(poison, jnp.nan, grads["w"])}
+      if fused:
+        return ols.apply_gradients(tx, grads, state, params)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    params = make_params()
+    state = tx.init(params)
+    for i, (x, expected) in enumerate(zip(batches, reference, strict=True)):
+      before_params, before_state = params, state
+      params, state = step(params, state, x, i == bad)
+      if i == bad:
+        self.assertFalse(bool(state.last_step_applied))
+        assert_bits_equal(params, before_params)
+        assert_bits_equal(state.inner_state, before_state.inner_state)
+      assert_matches_reference(params, state.inner_state, expected)
+    self.assertEqual(int(state.total_skips), 1)
+
+  @parameterized.parameters(True, False)
+  def test_a_nan_step_inside_skip_bad_steps_leaves_master_and_params(self, fused):
+    tx = ols.skip_bad_steps(ols.master_weights(optax.adam(1e-3)))
+    params = make_params()
+    state = tx.init(params)
+    params, state = ols.apply_gradients(tx, grads_of(params, batch(0)), state, params)
+    grads = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads_of(params, batch(1)))
+    if fused:
+      new_params, new_state = ols.apply_gradients(tx, grads, state, params)
+    else:
+      updates, new_state = tx.update(grads, state, params)
+      new_params = optax.apply_updates(params, updates)
+    assert_bits_equal(new_params, params)
+    assert_bits_equal(new_state.inner_state, state.inner_state)
+    self.assertEqual(int(new_state.nonfinite_skips), 1)
+
+
+class CompositionTest(parameterized.TestCase):
+  def test_a_wrapper_inside_is_refused_when_built(self):
+    for wrapper in (ols.loss_scale_optimizer, ols.skip_bad_steps):
+      with self.assertRaisesRegex(ValueError, r"goes inside the .* wrapper"):
+        ols.master_weights(wrapper(optax.adam(1e-3)))
+
+  def test_a_wrapper_inside_through_a_chain_is_refused_at_init(self):
+    tx = ols.master_weights(optax.chain(ols.loss_scale_optimizer(optax.adam(1e-3))))
+    with self.assertRaisesRegex(ValueError, r"inside master_weights, which must go inside"):
+      tx.init(make_params())
+
+  def test_master_weights_and_stochastic_rounding_do_not_nest(self):
+    with self.assertRaisesRegex(ValueError, "Use one"):
+      ols.master_weights(ols.stochastic_rounding(optax.adam(1e-3), 0))
+    with self.assertRaisesRegex(ValueError, "Use one"):
+      ols.stochastic_rounding(ols.master_weights(optax.adam(1e-3)), 0)
+
+  def test_a_transformation_after_it_in_a_chain_is_refused(self):
+    tx = optax.chain(ols.master_weights(optax.adam(1e-3)), optax.scale(0.5))
+    params = make_params()
+    with self.assertRaisesRegex(ValueError, r"optax.scale comes after it"):
+      tx.update(grads_of(params, batch(0)), tx.init(params), params)
+    # optax.identity() after it, and anything before it, are fine.
+    for ok in (
+      optax.chain(ols.master_weights(optax.adam(1e-3)), optax.identity()),
+      optax.chain(optax.clip_by_global_norm(1.0), ols.master_weights(optax.adam(1e-3))),
+    ):
+      ok.update(grads_of(params, batch(0)), ok.init(params), params)
+
+  @parameterized.parameters(ols.loss_scale_optimizer, ols.skip_bad_steps)
+  def test_a_transformation_after_the_wrapper_around_it_is_refused(self, wrapper):
+    tx = optax.chain(wrapper(ols.master_weights(optax.adam(1e-3))), optax.scale(0.5))
+    params = make_params()
+    with self.assertRaisesRegex(ValueError, r"wraps master_weights.*optax.scale comes after"):
+      tx.update(grads_of(params, batch(0)), tx.init(params), params)
+
+  @parameterized.parameters("outside", "inside")
+  def test_multisteps_writes_once_every_k_steps(self, where):
+    k, lr = 3, 0.05
+    if where == "inside":
+      tx = ols.master_weights(optax.MultiSteps(optax.adam(lr), k).gradient_transformation())
+      master_of = lambda state: state.master
+    else:
+      tx = optax.MultiSteps(ols.master_weights(optax.adam(lr)), k).gradient_transformation()
+      master_of = lambda state: state.inner_opt_state.master
+    params = make_params()
+    state = tx.init(params)
+    start = params
+    step = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+    for i in range(k - 1):
+      params, state = step(grads_of(params, batch(i)), state, params)
+      assert_bits_equal(params, start)  # accumulating: nothing written yet
+    params, state = step(grads_of(params, batch(k - 1)), state, params)
+    # One step of the master loop on the mean of the k gradients (accumulated in
+    # float32 inside master_weights; in the gradients' dtype by MultiSteps outside).
+    grads = [grads_of(start, batch(i)) for i in range(k)]
+    mean = jax.tree.map(lambda *g: sum(x.astype(jnp.float32) for x in g) / k, *grads)
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), start)
+    inner = optax.adam(lr)
+    updates, _ = inner.update(mean, inner.init(master), master)
+    expected_master = optax.apply_updates(master, updates)
+    rtol = 1e-6 if where == "inside" else 1e-4
+    chex.assert_trees_all_close(master_of(state)["w"], expected_master["w"], rtol=rtol)
+    assert_bits_equal(params["w"], master_of(state)["w"].astype(BF16))
+    self.assertFalse(bool(jnp.any(params["w"] == start["w"])))
+
+  def test_multi_transform_steps_each_partition(self):
+    labels = {"w": "master", "b": "master", "c": "plain"}
+    tx = optax.multi_transform(
+      {"master": ols.master_weights(optax.adam(1e-3)), "plain": optax.sgd(0.1)}, labels
+    )
+    params = make_params()
+    state = tx.init(params)
+    grads = grads_of(params, batch(0))
+    new_params, _ = ols.apply_gradients(tx, grads, state, params)
+    reference = reference_run(optax.adam(1e-3), make_params(), [batch(0)])[0][0]
+    assert_bits_equal(new_params["w"], reference["w"])
+    assert_bits_equal(new_params["b"], reference["b"])
+    np.testing.assert_array_equal(new_params["c"], params["c"] - 0.1 * grads["c"])
+
+  def test_convert_state_carries_the_master_between_wrappers(self):
+    params = make_params()
+    guarded = ols.loss_scale_optimizer(ols.master_weights(optax.adam(1e-3)))
+    state = guarded.init(params)
+    for i in range(3):
+      grads = scaled_grads_of(params, batch(i), state.loss_scale())
+      params, state = ols.apply_gradients(guarded, grads, state, params)
+    other = ols.skip_bad_steps(ols.master_weights(optax.adam(1e-3)))
+    converted = ols.convert_state(other, state, params)
+    assert_bits_equal(converted.inner_state, state.inner_state)
+    bare = ols.master_weights(optax.adam(1e-3))
+    back = ols.convert_state(bare, converted, params)
+    assert_bits_equal(back, state.inner_state)
+    with self.assertRaisesRegex(ValueError, "does not have the structure"):
+      ols.convert_state(optax.adam(1e-3), state, params)
+
+  def test_fp8_metadata_leaves_bypass_the_master(self):
+    # The wrapper splits the overwrite-with-gradient leaves off before master_weights
+    # sees them: they keep no master and are written with their new value.
+    params = {
+      **make_params(),
+      "_overwrite_with_gradient": {"kernel_scale": jnp.ones(1), "amax": jnp.zeros(4)},
+    }
+    tx = ols.loss_scale_optimizer(ols.master_weights(optax.adam(1e-3)), ols.DynamicLossScale(SCALE))
+    state = tx.init(params)
+    self.assertIsInstance(
+      state.inner_state.master["_overwrite_with_gradient"]["amax"], optax.MaskedNode
+    )
+    grads = {
+      **jax.tree.map(lambda g: g * SCALE, grads_of(make_params(), batch(0))),
+      "_overwrite_with_gradient": {"kernel_scale": jnp.full(1, 2.0), "amax": jnp.arange(4.0)},
+    }
+    new_params, state = ols.apply_gradients(tx, grads, state, params)
+    assert_bits_equal(new_params["_overwrite_with_gradient"], grads["_overwrite_with_gradient"])
+    reference = reference_run(optax.adam(1e-3), make_params(), [batch(0)])[0][0]
+    assert_bits_equal(new_params["w"], reference["w"])
+    # A NaN skips: metadata, master and params stay.
+    poisoned = {**grads, "w": grads["w"].at[0, 0].set(jnp.nan)}
+    skipped, new_state = ols.apply_gradients(tx, poisoned, state, new_params)
+    assert_bits_equal(skipped, new_params)
+    assert_bits_equal(new_state.inner_state, state.inner_state)
+
+
+class ErrorTest(parameterized.TestCase):
+  def test_an_integer_gradient_leaf_gets_the_integer_leaf_error(self):
+    params = {"w": jnp.ones(2, BF16), "n": jnp.arange(2)}
+    tx = ols.master_weights(optax.adam(1e-3))
+    state = tx.init(params)
+    self.assertIsNone(state.master["n"])  # not floating: no master copy
+    grads = {"w": jnp.ones(2, BF16), "n": jnp.arange(2)}
+    with self.assertRaisesRegex(
+      TypeError, r"master_weights got an integer gradient leaf at \['n'\]"
+    ):
+      tx.update(grads, state, params)
+    # Inside the loss-scale wrapper the error is the wrapper's own, as without master weights.
+    wrapped = ols.loss_scale_optimizer(ols.master_weights(optax.adam(1e-3)))
+    with self.assertRaisesRegex(
+      TypeError, r"loss_scale_optimizer got an integer gradient leaf at \['n'\]"
+    ):
+      ols.apply_gradients(wrapped, grads, wrapped.init(params), params)
+
+  def test_a_leaf_that_is_not_an_array_gets_the_params_error(self):
+    with self.assertRaisesRegex(
+      TypeError, r"master_weights.init got params with a leaf that is not"
+    ):
+      ols.master_weights(optax.adam(1e-3)).init({"w": jnp.ones(2, BF16), "act": jax.nn.relu})
+
+  def test_arguments_are_checked_when_built(self):
+    with self.assertRaisesRegex(ValueError, r"master_dtype must be a floating dtype"):
+      ols.master_weights(optax.adam(1e-3), master_dtype=jnp.int32)
+    with self.assertRaisesRegex(ValueError, r"master_dtype must be a floating dtype"):
+      ols.master_weights(optax.adam(1e-3), master_dtype=None)  # NumPy would read float64
+    with self.assertRaisesRegex(ValueError, r"master_dtype must be a floating dtype"):
+      ols.master_weights(optax.adam(1e-3), master_dtype="not a dtype")
+    with self.assertRaisesRegex(TypeError, r"inner must be an optax.GradientTransformation"):
+      ols.master_weights(optax.MultiSteps(optax.adam(1e-3), 2))
+
+  def test_a_parameter_cast_up_since_init_is_refused(self):
+    # eqx.apply_updates adds the float32 updates without casting back: the next
+    # step would train a float32 copy without a word.
+    tx = ols.master_weights(optax.sgd(0.1))
+    params = make_params()
+    state = tx.init(params)
+    updates, state = tx.update(grads_of(params, batch(0)), state, params)
+    promoted = jax.tree.map(lambda p, u: p + u, params, updates)  # what eqx.apply_updates does
+    self.assertEqual(promoted["w"].dtype, jnp.float32)
+    with self.assertRaisesRegex(TypeError, r"at \['b'\], which is now float32.*eqx.apply_updates"):
+      tx.update(grads_of(promoted, batch(1)), state, promoted)
+
+  def test_update_needs_the_params_and_its_own_state(self):
+    tx = ols.master_weights(optax.adam(1e-3))
+    params = make_params()
+    state = tx.init(params)
+    with self.assertRaisesRegex(ValueError, r"its update needs them"):
+      tx.update(grads_of(params, batch(0)), state)
+    with self.assertRaisesRegex(TypeError, r"expects the MasterWeightsState"):
+      tx.update(grads_of(params, batch(0)), state.inner_state, params)
+
+
+@pytest.mark.parametrize("dtype, ratio", [(BF16, 2.0**15), (jnp.float16, 2.0**12)])
+def test_update_path_is_exact_unless_a_parameter_shrinks_past_the_documented_ratio(dtype, ratio):
+  # The float32 update new - old, added by optax.apply_updates in float32 and cast
+  # back, lands on `new` whenever |old| <= ratio * |new| (and whenever |new| > |old|),
+  # but for the sign of a zero. Past the ratio it can miss (shown below). (bfloat16
+  # values near float32's subnormals are left out: XLA:CPU flushes those to zero.)
+  from optax_lossscale._src.precision import param_write
+
+  rng = np.random.default_rng(0)
+  n = 200_000
+  finfo = jnp.finfo(dtype)
+  low = max(float(finfo.tiny), 2.0**-100)
+  magnitude = np.exp(rng.uniform(np.log(low), np.log(float(finfo.max) / 2**22), n))
+  old = (rng.choice([-1.0, 1.0], n) * magnitude).astype(np.float32)
+  log_factor = rng.uniform(-np.log(ratio), np.log(2.0**20), n)
+  new = (old * np.exp(log_factor) * rng.choice([-1.0, 1.0], n)).astype(np.float32)
+  old16, new16 = jnp.asarray(old).astype(dtype), jnp.asarray(new).astype(dtype)
+  keep = jnp.isfinite(old16) & jnp.isfinite(new16) & (old16 != 0) & (new16 != 0)
+  keep &= jnp.abs(old16.astype(jnp.float32)) <= ratio * jnp.abs(new16.astype(jnp.float32))
+  old16, new16 = old16[keep], new16[keep]
+  updates = param_write.closest_update(new16, old16, jnp.float32)
+  landed = optax.apply_updates(old16, updates)
+  np.testing.assert_array_equal(
+    np.asarray(landed).view(np.uint16), np.asarray(new16).view(np.uint16)
+  )
+  # Beyond the ratio it misses, by float32's rounding of the old value: 1.0 shrinking
+  # to 3e-6 of itself (bfloat16), 1000.5 to 1.2345e-4 (float16).
+  old, new = (1.0 + 2**-7, 3e-6) if dtype == BF16 else (1000.5, 1.2345e-4)
+  old16, new16 = jnp.array([old], dtype), jnp.array([new], dtype)
+  landed = optax.apply_updates(old16, param_write.closest_update(new16, old16, jnp.float32))
+  assert float(landed[0]) != float(new16[0])
+  # An infinite parameter stays infinite (inf - inf would be NaN).
+  old16, new16 = jnp.array([jnp.inf, 1.0], dtype), jnp.array([jnp.inf, -jnp.inf], dtype)
+  landed = optax.apply_updates(old16, param_write.closest_update(new16, old16, jnp.float32))
+  np.testing.assert_array_equal(np.asarray(landed, np.float32), [np.inf, -np.inf])
