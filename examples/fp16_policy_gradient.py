@@ -300,7 +300,7 @@ def group_advantages(rewards: jax.Array) -> jax.Array:
 def policy_gradient_loss(
   params: Params, sequences: jax.Array, advantages: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-  """-mean(advantage * log p) over the written digits; the trainer's log-probs as aux.
+  """-mean(advantage * log p) over the written tokens; the trainer's log-probs as aux.
 
   With every advantage 1 it is the supervised phase's cross-entropy.
   """
@@ -345,7 +345,7 @@ def make_rollout(precision: Precision) -> Callable:
 
 
 def rollout_inputs(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-  """One step's prompts, each GROUP times, and the Gumbel noise that samples the digits."""
+  """One step's prompts, each GROUP times, and the Gumbel noise that samples the tokens."""
   prompts = np.repeat(make_prompts(rng, PROMPTS), GROUP, axis=0)
   noise = rng.gumbel(size=(DIGITS, len(prompts), VOCAB)).astype(np.float32)
   return prompts, noise

@@ -4,7 +4,9 @@ The mismatch claims are the ones docs/guides/fp16_rl.md states: on XLA:CPU
 the KV-cache sampler and the full-forward trainer agree to float32 rounding
 in float32 and, on average, in float16 (whose rare disagreements are larger:
 its max is above float32's), and disagree on almost every token in bfloat16,
-by about four orders of magnitude more on average.
+by three to four orders of magnitude more on average (there, XLA keeps
+bfloat16 intermediates in float32 where it fuses, differently in the two
+programs; the guide shows the flag that removes it).
 """
 
 import json
