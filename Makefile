@@ -73,7 +73,7 @@ dist-check: $(VENV)/.dist-stamp
 # multi-process sessions (they use `jax.reshard`, `jax.distributed` options and
 # the sharding propagation of newer jax).
 LOWEST_IGNORE := $(addprefix --ignore=tests/,test_notebooks.py test_demo.py \
-  test_skip_bad_steps_demo.py test_benchmarks.py test_compiled_step.py \
+  test_skip_bad_steps_demo.py test_fp16_rl_example.py test_benchmarks.py test_compiled_step.py \
   test_multi_device.py test_multi_process.py multidevice)
 # On Python 3.12 and 3.13: the loss scales, the wrapper, skip_bad_steps and the
 # doctests, the code that a new Python could break; CI time allows no more.
