@@ -80,7 +80,8 @@ LOWEST_IGNORE := $(addprefix --ignore=tests/,test_notebooks.py test_demo.py \
 PY_TESTS := tests/test_loss_scale.py tests/test_optimizer.py tests/test_apply_gradients.py \
   tests/test_skip_bad_steps.py tests/test_grad.py tests/test_tree_utils.py \
   tests/test_compositions.py tests/test_peer_semantics.py tests/test_long_runs.py \
-  tests/test_overflow_guard.py tests/test_guard_outputs.py optax_lossscale
+  tests/test_overflow_guard.py tests/test_guard_outputs.py tests/test_policy.py \
+  tests/test_autocast.py optax_lossscale
 TEST_DEPS := pytest pytest-xdist hypothesis jmp chex
 LOWEST := .venv-lowest
 PY312 := .venv-py312
