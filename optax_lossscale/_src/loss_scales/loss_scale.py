@@ -299,7 +299,30 @@ class NoOpLossScale(LossScale):
     return self, jnp.asarray(True)
 
 
-class FixedLossScale(LossScale):
+class ConstantScale:
+  """What the constant scales share: the scale from `loss_scale_value`, no counter.
+
+  A mixin of `FixedLossScale` and `SkippingFixedLossScale`, which differ only
+  in whether `update` skips a non-finite step.
+  """
+
+  loss_scale_value: float
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    return jnp.asarray(self.loss_scale_value, jnp.float32)
+
+  @property
+  def counter(self) -> None:
+    """None: a fixed scale counts no steps (Keras's `dynamic_counter` is None too)."""
+    return None
+
+  def _reciprocal(self) -> jax.Array:
+    # NumPy's division is correctly rounded; a device's may not be (GPUs).
+    return jnp.asarray(np.float32(1) / np.float32(self.loss_scale_value))
+
+
+class FixedLossScale(ConstantScale, LossScale):
   """A loss scale with a constant value (TensorFlow's `FixedLossScale`).
 
   `update` never changes the scale and always returns `should_apply=True`,
@@ -334,19 +357,6 @@ class FixedLossScale(LossScale):
         accepted="a finite number >= 1",
       )
     )
-
-  @property
-  def loss_scale(self) -> jax.Array:
-    return jnp.asarray(self.loss_scale_value, jnp.float32)
-
-  @property
-  def counter(self) -> None:
-    """None: a fixed scale counts no steps (Keras's `dynamic_counter` is None too)."""
-    return None
-
-  def _reciprocal(self) -> jax.Array:
-    # NumPy's division is correctly rounded; a device's may not be (GPUs).
-    return jnp.asarray(np.float32(1) / np.float32(self.loss_scale_value))
 
   def update(
     self, grads: Any, axis_name: tree_utils.AxisName = None

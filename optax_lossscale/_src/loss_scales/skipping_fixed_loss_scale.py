@@ -26,14 +26,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from optax_lossscale._src.loss_scales.loss_scale import LossScale
+from optax_lossscale._src.loss_scales.loss_scale import ConstantScale, LossScale
 from optax_lossscale._src.utils import tree_utils, validation
 
 
-class SkippingFixedLossScale(LossScale):
+class SkippingFixedLossScale(ConstantScale, LossScale):
   """A constant loss scale that skips non-finite steps (jmp's `StaticLossScale` recipe).
 
   The scale never changes, as `FixedLossScale`'s; unlike it, `update` returns
@@ -85,19 +83,6 @@ class SkippingFixedLossScale(LossScale):
   @property
   def skips(self) -> bool:
     return True
-
-  @property
-  def loss_scale(self) -> jax.Array:
-    return jnp.asarray(self.loss_scale_value, jnp.float32)
-
-  @property
-  def counter(self) -> None:
-    """None: a fixed scale counts no steps (Keras's `dynamic_counter` is None too)."""
-    return None
-
-  def _reciprocal(self) -> jax.Array:
-    # NumPy's division is correctly rounded; a device's may not be (GPUs).
-    return jnp.asarray(np.float32(1) / np.float32(self.loss_scale_value))
 
   def update(
     self, grads: Any, axis_name: tree_utils.AxisName = None
