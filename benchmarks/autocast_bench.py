@@ -46,7 +46,7 @@ from benchmarks import workloads
 import optax_lossscale as ols
 
 CPU_LM = {"vocab": 256, "d_model": 256, "heads": 4, "layers": 4, "seq": 64, "batch": 8}
-QUICK_LM = {"vocab": 256, "d_model": 64, "heads": 2, "layers": 2, "seq": 32, "batch": 4}
+QUICK_LM = {"vocab": 256, "d_model": 32, "heads": 2, "layers": 1, "seq": 16, "batch": 2}
 GPU_LM = {**workloads.GPU_LM, "vocab": 256}
 VARIANTS = (
   "float32",
