@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= dev,flax,bench,equinox
 
-.PHONY: install test lint demo bench bench-quick clean docs dist-check
+.PHONY: install test test-examples lint demo bench bench-quick clean docs dist-check
 .PHONY: test-compat test-lowest test-py312 test-py313 constraints-lowest
 
 $(STAMP): pyproject.toml constraints.txt
@@ -20,9 +20,18 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# `make test`: ruff, then every test but the end-to-end runs of the examples,
+# the notebooks and the benchmark scripts, which `make test-examples` runs
+# (each in its quick mode). CI (`.ci/run`) runs both.
+EXAMPLE_TESTS := $(addprefix tests/,test_demo.py test_skip_bad_steps_demo.py \
+  test_fp16_rl_example.py test_fp8_example.py test_notebooks.py test_benchmarks.py)
+
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(addprefix --ignore=,$(EXAMPLE_TESTS))
+
+test-examples: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(EXAMPLE_TESTS)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -1,11 +1,29 @@
 """Pytest configuration shared by the doctests, the documentation and the test suite."""
 
 import importlib.util
+import os
 import pathlib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent
+
+# XLA compiling every program once per process is most of this suite's time on
+# a CPU. The tests check what our code computes, not how fast the backend's
+# machine code runs, so they ask XLA for unoptimised machine code: the same HLO
+# passes (fusion, the compiled-step facts the tests read) and about a third less
+# compile time. Set before JAX starts; the xdist workers and the subprocesses
+# the tests launch inherit it (tests/__init__.py: child_xla_flags).
+# OLS_TEST_XLA_DEFAULTS=1 runs the suite with XLA's own defaults instead.
+FAST_COMPILE_FLAGS = (
+  "--xla_backend_optimization_level=0",
+  "--xla_llvm_disable_expensive_passes=true",
+)
+if os.environ.get("OLS_TEST_XLA_DEFAULTS") != "1":
+  _flags = os.environ.get("XLA_FLAGS", "").split()
+  _names = {f.split("=")[0] for f in _flags}
+  _flags += [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in _names]
+  os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 
 def _installed(name: str) -> bool:

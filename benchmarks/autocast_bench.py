@@ -156,7 +156,7 @@ def measure(lm: dict[str, int], steps: int, rounds: int, seed: int) -> dict[str,
   text = stdlib_bytes()
   train = batches(text[: int(0.9 * len(text))], steps, lm["batch"], lm["seq"], seed)
   held_out = batches(text[int(0.9 * len(text)) :], 4, lm["batch"], lm["seq"], seed + 1)
-  params0 = model.init(jax.random.key(seed), train[0][:, :-1])["params"]
+  params0 = jax.jit(model.init)(jax.random.key(seed), train[0][:, :-1])["params"]
   evaluate = jax.jit(lambda p: jnp.mean(jnp.stack([loss_fn(p, t) for t in held_out])))
   results: dict[str, dict[str, Any]] = {}
   steppers = {}

@@ -15,15 +15,15 @@ import sys
 
 import pytest
 
+from tests import child_xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300  # the session takes ~30 s alone; a loaded 2-core machine is slower
 
 
 def test_eight_device_session() -> None:
   env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-  env["XLA_FLAGS"] = " ".join(
-    f for f in (env.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=8") if f
-  )
+  env["XLA_FLAGS"] = child_xla_flags(8)
   env["JAX_PLATFORMS"] = "cpu"  # simulated devices even on an accelerator host
   env["OLS_MULTIDEVICE_SESSION"] = "1"
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -42,7 +42,8 @@ def test_eight_device_session() -> None:
 
 
 def test_multi_device_example_runs_on_simulated_devices() -> None:
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+  env["XLA_FLAGS"] = child_xla_flags()  # the example sets its device count
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
   proc = subprocess.run(

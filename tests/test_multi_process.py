@@ -23,6 +23,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests import child_xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER_DIR = ROOT / "tests" / "multidevice"
 TIMEOUT_S = 180  # both processes, start to finish; a loaded 2-core machine needs ~10-40 s
@@ -46,8 +48,8 @@ def _free_port() -> int:
 
 
 def _child_env() -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={worker.LOCAL_DEVICES}"
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+  env["XLA_FLAGS"] = child_xla_flags(worker.LOCAL_DEVICES)
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
   return env

@@ -19,6 +19,8 @@ pytest.importorskip("ipykernel")
 from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from jupyter_client.manager import KernelManager  # noqa: E402
 
+from tests import child_xla_flags  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 # What each notebook imports beyond the core dependencies (extras `dev`, `flax`).
@@ -43,7 +45,7 @@ def kernel_dir(tmp_path_factory):
     "display_name": "optax_lossscale tests",
     "language": "python",
     # Notebooks pick their own device count; an inherited one must not leak in.
-    "env": {"PYTHONPATH": pythonpath, "XLA_FLAGS": "", "MPLBACKEND": "Agg"},
+    "env": {"PYTHONPATH": pythonpath, "XLA_FLAGS": child_xla_flags(), "MPLBACKEND": "Agg"},
   }
   (spec_dir / "kernel.json").write_text(json.dumps(spec))
   return kernels
