@@ -248,7 +248,7 @@ def inner_state(opt_state: Any) -> Any:
   `named_chain`, ...), a Flax `TrainState` or an `nnx.Optimizer` (through
   their `opt_state`). Through nested wrappers
   (`loss_scale_optimizer(skip_bad_steps(inner))`) it returns `inner`'s state.
-  The leaves an `nnx.Optimizer` boxes in `nnx.Variable`s are returned as
+  The leaves an `nnx.Optimizer` boxes in `nnx.Variable` objects are returned as
   plain arrays.
 
   It reads; to replace the inner state, use the wrapper state's
