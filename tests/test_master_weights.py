@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
+from tests.autocast_helpers import equations
 
 BF16 = jnp.bfloat16
 SCALE = 2.0**10  # a power of two: scaling and unscaling are exact
@@ -198,6 +199,38 @@ class EquivalenceTest(parameterized.TestCase):
     # Through update, the float32 leaf's update is the inner optimizer's own.
     updates, _ = jax.jit(tx.update)(grads, state, params)
     np.testing.assert_array_equal(updates["c"], bare_updates["c"])
+
+  @parameterized.named_parameters(("update", False), ("apply_gradients", True))
+  def test_in_the_jaxpr_only_the_write_is_16_bit(self, fused):
+    # The claim on the program, not on its outputs: the inner optimizer runs on
+    # the float32 master (every equation of the step computes in float32), and
+    # the one equation per parameter with a 16-bit result is the write, a
+    # rounding of the master (convert_element_type) to the parameter's dtype.
+    params = {"a": jnp.ones((4, 3), BF16), "b": jnp.ones(5, jnp.float16)}
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    tx = ols.master_weights(INNERS["clip_adamw_schedule"]())
+    step = (lambda g, s, p: ols.apply_gradients(tx, g, s, p)) if fused else tx.update
+    jaxpr = jax.make_jaxpr(step)(grads, tx.init(params), params)
+    half = [
+      (e.primitive.name, str(e.invars[0].aval.dtype), str(v.aval.dtype), v.aval.shape)
+      for e in equations(jaxpr)
+      for v in e.outvars
+      if getattr(v.aval, "dtype", None) in (BF16, jnp.float16)
+    ]
+    self.assertCountEqual(
+      half,
+      [
+        ("convert_element_type", "float32", "bfloat16", (4, 3)),
+        ("convert_element_type", "float32", "float16", (5,)),
+      ],
+    )
+    floats = {
+      str(v.aval.dtype)
+      for e in equations(jaxpr)
+      for v in e.outvars
+      if jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.floating)
+    }
+    self.assertEqual(floats, {"float32", "bfloat16", "float16"})
 
   def test_a_float64_master_for_float32_parameters(self):
     # jax.enable_x64 since jax 0.9; jax.experimental.enable_x64 before.

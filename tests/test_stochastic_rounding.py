@@ -22,6 +22,7 @@ import pytest
 
 import optax_lossscale as ols
 from optax_lossscale._src.precision import rounding
+from tests.autocast_helpers import equations
 
 BF16 = jnp.bfloat16
 F16 = jnp.float16
@@ -264,6 +265,40 @@ class StochasticRoundingTest(parameterized.TestCase):
     self.assertEqual(bytes_of(state), bytes_of(bare) + 8)
     for leaf in jax.tree.leaves(state.inner_state):
       self.assertFalse(leaf.dtype == jnp.float32 and leaf.shape == params["w"].shape)
+
+  def test_in_the_jaxpr_the_new_value_is_summed_in_float32_then_rounded(self):
+    # The claim on the program: for each 16-bit parameter, one float32 `add` of
+    # the parameter and its update (each converted from 16 bits) and one
+    # rounding of its bits back to the parameter's dtype; the inner optimizer
+    # itself runs in the parameters' dtype (no float32 copy).
+    params = {"h": jnp.ones(5, jnp.float16), "w": jnp.ones((4, 3), BF16)}
+    tx = ols.stochastic_rounding(optax.adam(1e-3), key=0)
+    step = lambda g, s, p: ols.apply_gradients(tx, g, s, p)
+    jaxpr = jax.make_jaxpr(step)(params, tx.init(params), params)
+    eqns = list(equations(jaxpr))
+    made_by = {v: e for e in eqns for v in e.outvars}
+    for name, p in params.items():
+      sums = [
+        e
+        for e in eqns
+        if e.primitive.name == "add"
+        and e.outvars[0].aval.shape == p.shape
+        and e.outvars[0].aval.dtype == jnp.float32
+      ]
+      self.assertLen(sums, 1, name)
+      for v in sums[0].invars:  # both terms: converted up from the parameter's dtype
+        source = made_by[v]
+        self.assertEqual(source.primitive.name, "convert_element_type", name)
+        self.assertEqual(source.invars[0].aval.dtype, p.dtype, name)
+      rounded = [
+        e
+        for e in eqns
+        if e.primitive.name == "bitcast_convert_type"
+        and e.outvars[0].aval.dtype == p.dtype
+        and e.outvars[0].aval.shape == p.shape
+      ]
+      self.assertLen(rounded, 1, name)
+      self.assertEqual(rounded[0].invars[0].aval.dtype, jnp.uint16, name)
 
   def test_the_key_advances_once_per_applied_step_and_differs_per_leaf(self):
     tx = ols.stochastic_rounding(optax.sgd(2.0**-10), key=jax.random.key(5))
