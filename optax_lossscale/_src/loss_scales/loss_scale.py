@@ -302,11 +302,27 @@ class NoOpLossScale(LossScale):
 class ConstantScale:
   """What the constant scales share: the scale from `loss_scale_value`, no counter.
 
-  A mixin of `FixedLossScale` and `SkippingFixedLossScale`, which differ only
-  in whether `update` skips a non-finite step.
+  A mixin of `FixedLossScale` and `SkippingFixedLossScale`, which differ in
+  whether `update` skips a non-finite step and in the smallest scale they
+  accept (TensorFlow's 1; jmp's any positive number), set by `_low`.
   """
 
+  _config_fields = ("loss_scale_value",)
   loss_scale_value: float
+  # The smallest scale accepted, and whether it is itself accepted.
+  _low: ClassVar[float]
+  _low_inclusive: ClassVar[bool]
+
+  def __init__(self, loss_scale_value: float) -> None:
+    self._set(  # type: ignore[attr-defined]  # LossScale's
+      loss_scale_value=validation.check_float(
+        "loss_scale_value",
+        loss_scale_value,
+        low=self._low,
+        low_inclusive=self._low_inclusive,
+        accepted=f"a finite number {'>=' if self._low_inclusive else '>'} {self._low:g}",
+      )
+    )
 
   @property
   def loss_scale(self) -> jax.Array:
@@ -344,19 +360,7 @@ class FixedLossScale(ConstantScale, LossScale):
     {'loss_scale_value': 128.0}
   """
 
-  _config_fields = ("loss_scale_value",)
-  loss_scale_value: float
-
-  def __init__(self, loss_scale_value: float) -> None:
-    self._set(
-      loss_scale_value=validation.check_float(
-        "loss_scale_value",
-        loss_scale_value,
-        low=1.0,
-        low_inclusive=True,
-        accepted="a finite number >= 1",
-      )
-    )
+  _low, _low_inclusive = 1.0, True
 
   def update(
     self, grads: Any, axis_name: tree_utils.AxisName = None

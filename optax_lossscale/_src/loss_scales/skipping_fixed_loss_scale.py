@@ -28,7 +28,7 @@ from typing import Any
 import jax
 
 from optax_lossscale._src.loss_scales.loss_scale import ConstantScale, LossScale
-from optax_lossscale._src.utils import tree_utils, validation
+from optax_lossscale._src.utils import tree_utils
 
 
 class SkippingFixedLossScale(ConstantScale, LossScale):
@@ -66,19 +66,7 @@ class SkippingFixedLossScale(ConstantScale, LossScale):
     the same `all_finite` / `select_tree` recipe for every loss scale.
   """
 
-  _config_fields = ("loss_scale_value",)
-  loss_scale_value: float
-
-  def __init__(self, loss_scale_value: float) -> None:
-    self._set(
-      loss_scale_value=validation.check_float(
-        "loss_scale_value",
-        loss_scale_value,
-        low=0.0,
-        low_inclusive=False,
-        accepted="a finite number > 0",
-      )
-    )
+  _low, _low_inclusive = 0.0, False
 
   @property
   def skips(self) -> bool:
