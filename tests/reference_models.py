@@ -2,6 +2,7 @@
 
 They use numpy float32 scalars, as TensorFlow's float32 variables do, and share
 no code with the library, so tests compare two independent implementations.
+`jmp_recipe_step` is jmp's own recipe, run with jmp.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import optax
 
 
 def tensorflow_trajectory(
@@ -102,3 +104,20 @@ def keras3_trajectory(
       scale, counter = scale * np.float32(0.5), 0
     out.append(np.float32(scale))
   return out
+
+
+def jmp_recipe_step(jmp, inner, loss_scale, scaled_grads, params, opt_state):
+  """One step of jmp's loss-scaling recipe, as docs/migration/jmp.md writes it.
+
+  Runs jmp itself (passed in: it is a test-only dependency) around the optax
+  transformation `inner`: unscale, check, adjust the scale, step, and keep the
+  old params and state where the gradients are not finite. Returns
+  `(finite, loss_scale, params, opt_state)`.
+  """
+  grads = loss_scale.unscale(scaled_grads)
+  finite = jmp.all_finite(grads)
+  loss_scale = loss_scale.adjust(finite)
+  updates, new_opt_state = inner.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  params, opt_state = jmp.select_tree(finite, (new_params, new_opt_state), (params, opt_state))
+  return finite, loss_scale, params, opt_state

@@ -98,14 +98,8 @@ def test_jmp_row_the_recipe_and_the_wrapper_give_the_same_steps():
     our_scale, their_scale = ols.get_loss_scale(ours_state)(), their_ls.loss_scale
     scaled_ours = jax.tree.map(lambda g, s=our_scale: g * s, grads)
     scaled_theirs = jax.tree.map(lambda g, s=their_scale: g * s, grads)
-    # jmp's recipe, as the row writes it.
-    g = their_ls.unscale(scaled_theirs)
-    finite = jmp.all_finite(g)
-    their_ls = their_ls.adjust(finite)
-    updates, new_opt = inner.update(g, their_opt, their_params)
-    new_params = optax.apply_updates(their_params, updates)
-    their_params, their_opt = jmp.select_tree(
-      finite, (new_params, new_opt), (their_params, their_opt)
+    _, their_ls, their_params, their_opt = reference_models.jmp_recipe_step(
+      jmp, inner, their_ls, scaled_theirs, their_params, their_opt
     )
     # Ours.
     updates, ours_state = tx.update(scaled_ours, ours_state, ours_params)

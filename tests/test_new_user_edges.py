@@ -8,6 +8,7 @@ classes.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -60,24 +61,14 @@ class SkippingFixedLossScaleTest(chex.TestCase):
     their_ls = jmp.StaticLossScale(jnp.float32(scale))
     their_params, their_opt = PARAMS, inner.init(PARAMS)
 
-    @jax.jit  # one XLA program, as ours: eager optax rounds Adam's moments differently
-    def their_step(scaled, their_ls, their_params, their_opt):
-      # jmp's recipe, as docs/migration/jmp.md writes it.
-      g = their_ls.unscale(scaled)
-      finite = jmp.all_finite(g)
-      their_ls = their_ls.adjust(finite)
-      updates, new_opt = inner.update(g, their_opt, their_params)
-      new_params = optax.apply_updates(their_params, updates)
-      their_params, their_opt = jmp.select_tree(
-        finite, (new_params, new_opt), (their_params, their_opt)
-      )
-      return finite, their_ls, their_params, their_opt
+    # jmp's recipe in one XLA program, as ours: eager optax rounds Adam's moments differently.
+    their_step = jax.jit(functools.partial(reference_models.jmp_recipe_step, jmp, inner))
 
     skipped, previous_params = 0, PARAMS
     for grads in _nan_run_grads():
       scaled = jax.tree.map(lambda g: g * jnp.float32(scale), grads)
       finite, their_ls, their_params, their_opt = their_step(
-        scaled, their_ls, their_params, their_opt
+        their_ls, scaled, their_params, their_opt
       )
       skipped += int(not bool(finite))
       # Ours.
