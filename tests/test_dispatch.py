@@ -26,6 +26,7 @@ CALLS = 20
 SCALES = {
   "noop": ols.NoOpLossScale,
   "fixed": lambda: ols.FixedLossScale(128.0),
+  "skipping_fixed": lambda: ols.SkippingFixedLossScale(128.0),
   "dynamic": lambda: ols.DynamicLossScale(2.0**8, increment_period=3),
 }
 OPTIONS = {
@@ -160,3 +161,29 @@ def test_an_autocast_train_step_runs_no_package_python(policy):
     return ols.apply_gradients(tx, grads, state, params)
 
   assert _package_functions(step, params, tx.init(params), x) == []
+
+
+WRITERS = {
+  "master_weights": lambda: ols.master_weights(optax.adam(1e-3)),
+  "master_weights_state_dtypes": lambda: ols.master_weights(
+    ols.state_dtypes(optax.adam(1e-3), {"mu": jnp.bfloat16})
+  ),
+  "stochastic_rounding": lambda: ols.stochastic_rounding(optax.adam(1e-3), key=0),
+}
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["apply_gradients", "update"])
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_16_bit_parameter_step_runs_no_package_python(writer, fused):
+  # The parameter writers inside the loss-scale wrapper, bfloat16 parameters.
+  tx = ols.loss_scale_optimizer(WRITERS[writer]())
+  params, grads = jax.tree.map(lambda t: t.astype(jnp.bfloat16), _problem())
+
+  @jax.jit
+  def step(params, state, grads):
+    if fused:
+      return ols.apply_gradients(tx, grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  assert _package_functions(step, params, tx.init(params), grads) == []
