@@ -19,3 +19,30 @@ def child_xla_flags(device_count: int | None = None) -> str:
   if device_count is not None:
     flags.append(f"{DEVICE_COUNT_FLAG}={device_count}")
   return " ".join(flags)
+
+
+def assert_trees_equal_across_programs(a: object, b: object) -> None:
+  """Bit for bit on CPU; elsewhere within a few units in the last place.
+
+  For two programs that compute the same arithmetic: a step and its
+  hand-written reference, eager ops and one compiled program. XLA:CPU gives
+  them identical bits (what these tests measure there); on an accelerator XLA
+  may fuse a multiply-add into one instruction in one program and not in the
+  other, a last-bit difference that a 16-bit rounding can carry into a
+  parameter's last place. Dtypes and integer leaves (counts, keys) are exact.
+  """
+  import chex
+  import jax
+  import numpy as np
+
+  chex.assert_trees_all_equal_dtypes(a, b)
+  if jax.default_backend() == "cpu":
+    chex.assert_trees_all_equal(a, b)
+    return
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    if not jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+      np.testing.assert_array_equal(x, y)
+      continue
+    ulps = 4 * float(jax.numpy.finfo(x.dtype).eps)
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    np.testing.assert_allclose(x, y, rtol=ulps, atol=ulps * float(np.max(np.abs(y), initial=0.0)))

@@ -16,6 +16,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
+from tests import assert_trees_equal_across_programs
 from tests.autocast_helpers import equations
 
 BF16 = jnp.bfloat16
@@ -92,12 +93,13 @@ def assert_bits_equal(a, b):
 
 
 def assert_matches_reference(params, state, reference):
+  # Two programs: bit for bit on CPU (see assert_trees_equal_across_programs).
   ref_params, ref_master, ref_state = reference
-  assert_bits_equal(params, ref_params)
-  assert_bits_equal(state.master["w"], ref_master["w"])
-  assert_bits_equal(state.master["b"], ref_master["b"])
+  assert_trees_equal_across_programs(params, ref_params)
+  assert_trees_equal_across_programs(state.master["w"], ref_master["w"])
+  assert_trees_equal_across_programs(state.master["b"], ref_master["b"])
   assert state.master["c"] is None
-  assert_bits_equal(state.inner_state, ref_state)
+  assert_trees_equal_across_programs(state.inner_state, ref_state)
 
 
 def test_control_plain_bfloat16_adam_does_not_move_weights_near_one():
@@ -385,8 +387,8 @@ class CompositionTest(parameterized.TestCase):
     grads = grads_of(params, batch(0))
     new_params, _ = ols.apply_gradients(tx, grads, state, params)
     reference = reference_run(optax.adam(1e-3), make_params(), [batch(0)])[0][0]
-    assert_bits_equal(new_params["w"], reference["w"])
-    assert_bits_equal(new_params["b"], reference["b"])
+    assert_trees_equal_across_programs(new_params["w"], reference["w"])
+    assert_trees_equal_across_programs(new_params["b"], reference["b"])
     np.testing.assert_array_equal(new_params["c"], params["c"] - 0.1 * grads["c"])
 
   def test_convert_state_carries_the_master_between_wrappers(self):
@@ -424,7 +426,7 @@ class CompositionTest(parameterized.TestCase):
     new_params, state = ols.apply_gradients(tx, grads, state, params)
     assert_bits_equal(new_params["_overwrite_with_gradient"], grads["_overwrite_with_gradient"])
     reference = reference_run(optax.adam(1e-3), make_params(), [batch(0)])[0][0]
-    assert_bits_equal(new_params["w"], reference["w"])
+    assert_trees_equal_across_programs(new_params["w"], reference["w"])
     # A NaN skips: metadata, master and params stay.
     poisoned = {**grads, "w": grads["w"].at[0, 0].set(jnp.nan)}
     skipped, new_state = ols.apply_gradients(tx, poisoned, state, new_params)
