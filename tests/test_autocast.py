@@ -79,19 +79,22 @@ def test_overflow_prone_ops_compute_in_float32():
   assert mismatched(jaxpr) == []
 
 
-def test_other_ops_follow_their_widest_input_and_python_scalars_yield():
+def test_arithmetic_runs_in_float32_and_exact_ops_keep_16_bit_values():
   def model(w, x, b16):
-    y = x @ w  # float16
-    z = y * 0.5 + 1.0  # weak scalars: stays float16
-    return jnp.tanh(z), z + b16, jnp.maximum(z, x[:, :4])  # f16+f16, f16+f32 -> f32
+    y = x @ w  # a product: float16 operands, float32 result
+    z = y * 0.5 + 1.0  # arithmetic: float32
+    moved = jnp.maximum(b16.reshape(2, 2).T, b16[0])  # exact ops on float16 inputs: float16
+    return jnp.tanh(z), z + b16, moved, jnp.sin(b16)
 
   out = ols.autocast(model, "c=f16")(jnp.ones((8, 4)), X, jnp.ones(4, jnp.float16))
-  assert [o.dtype for o in out] == [jnp.float16] * 3  # output dtype: c=f16 -> o=f16
+  assert [o.dtype for o in out] == [jnp.float16] * 4  # output dtype: c=f16 -> o=f16
   jaxpr = jax.make_jaxpr(ols.autocast(model, "c=f16,o=f16"))(
     jnp.ones((8, 4)), X, jnp.ones(4, jnp.float16)
   )
-  assert inputs_of(jaxpr, "tanh") == [("float16",)]
-  assert ("float32", "float32") in inputs_of(jaxpr, "max")  # x is float32
+  assert inputs_of(jaxpr, "tanh") == [("float32",)]
+  assert inputs_of(jaxpr, "sin") == [("float32",)]  # a float16 argument, upcast to compute
+  assert inputs_of(jaxpr, "max") == [("float16", "float16")]
+  assert inputs_of(jaxpr, "transpose") == [("float16",)]
   assert mismatched(jaxpr) == []
 
 
@@ -178,8 +181,10 @@ def test_custom_jvp_rules_are_kept():
   w = jnp.eye(8)
   grad = jax.grad(mixed)(w, X)
   np.testing.assert_allclose(grad, 3.0 * X.T @ jnp.ones((4, 8)), rtol=1e-2)
-  # The body was cast: sin takes the float16 product.
-  assert ("float16",) in inputs_of(jax.make_jaxpr(mixed)(w, X), "sin")
+  # The body was interpreted: its product takes float16 operands, sin runs in float32.
+  jaxpr = jax.make_jaxpr(mixed)(w, X)
+  assert inputs_of(jaxpr, "sin") == [("float32",)]
+  assert set(matmul_inputs(jaxpr)) == {("float16", "float16")}
 
 
 def test_custom_vjp_functions_run_as_written():

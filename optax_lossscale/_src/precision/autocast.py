@@ -23,7 +23,6 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
@@ -31,27 +30,46 @@ from optax_lossscale._src.precision import autocast_rules
 from optax_lossscale._src.precision import policy as policy_lib
 
 
-def _check_rules(rules: Mapping[str, str] | None) -> dict[str, interp.Rule]:
+def _check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
   if rules is None:
     return {}
   if not isinstance(rules, Mapping):
     raise TypeError(
       f"rules must be a mapping of primitive names to kinds; got {type(rules).__name__}."
     )
-  checked = {}
   for name, kind in rules.items():
-    if not isinstance(name, str) or kind not in interp.KINDS:
+    if not isinstance(name, str) or kind not in autocast_rules.KINDS:
       raise ValueError(
-        f"rules maps primitive names (str) to one of {sorted(interp.KINDS)}; got"
+        f"rules maps primitive names (str) to one of {sorted(autocast_rules.KINDS)}; got"
         f" {name!r}: {kind!r}."
       )
-    checked[name] = interp.KINDS[kind]
-  return checked
+  return dict(rules)
 
 
-def _is_real_float(x: Any) -> bool:
-  """Floating and real: complex outputs keep their dtype (a cast would drop the imaginary part)."""
-  return interp.is_float(x) and jnp.issubdtype(interp.dtype_of(x), jnp.floating)
+def _check_compute_dtype(dtype: np.dtype) -> None:
+  """A compute dtype autocast can run products in: float16, bfloat16, float32, float64."""
+  if dtype.itemsize == 1:
+    raise ValueError(
+      f"autocast's compute dtype is {dtype.name}, an 8-bit float: products whose values pass"
+      " its range (448 for float8_e4m3fn) would be NaN. Use a 16-bit compute dtype (c=bf16 or"
+      " c=f16) with autocast's fp8= argument, which scales each operand into fp8's range."
+    )
+  if dtype == np.float64 and not jax.config.jax_enable_x64:
+    raise ValueError(
+      "autocast's compute dtype is float64, but JAX runs without 64-bit types"
+      " (jax_enable_x64 is False), so it would compute in float32. Enable x64"
+      " (jax.config.update('jax_enable_x64', True)) or use c=f32."
+    )
+
+
+def make_context(compute_dtype: Any, rules: Mapping[str, str] | None) -> interp.Context:
+  """The interpreter's context for a compute dtype and the user's extra rules."""
+  extra = _check_rules(rules)
+  table = {**autocast_rules.RULES, **{n: autocast_rules.KINDS[k] for n, k in extra.items()}}
+  fusible = set(autocast_rules.FUSIBLE)
+  for name, kind in extra.items():
+    (fusible.add if kind in ("float32", "widest") else fusible.discard)(name)
+  return interp.Context(np.dtype(compute_dtype), table, frozenset(fusible))
 
 
 def _is_array(x: Any) -> bool:
@@ -140,10 +158,8 @@ def autocast(
       f" {type(policy).__name__}."
     )
   policy = policy_lib.get_policy(policy)
-  ctx = interp.Context(
-    compute_dtype=policy.compute_dtype,
-    rules={**autocast_rules.RULES, **_check_rules(rules)},
-  )
+  _check_compute_dtype(np.dtype(policy.compute_dtype))
+  ctx = make_context(policy.compute_dtype, rules)
 
   @functools.wraps(fun)
   def mixed(*args: Any, **kwargs: Any) -> Any:
@@ -166,32 +182,68 @@ def autocast(
       changed[:] = [k for k, i in enumerate(traced) if after[i] is not arrays[k]]
       return out, [after[traced[k]] for k in changed]
 
-    closed, (out_shape, _) = jax.make_jaxpr(flat_fun, return_shape=True)(
-      *[leaves[i] for i in traced]
-    )
-    flat = interp.eval_jaxpr(ctx, closed.jaxpr, closed.consts, [leaves[i] for i in traced])
+    _check_compute_dtype(np.dtype(policy.compute_dtype))
+    arrays = [leaves[i] for i in traced]
+    closed, (out_shape, update_shape), promoted = _trace(flat_fun, arrays)
+    with interp.scope():
+      flat = interp.eval_jaxpr(ctx, closed.jaxpr, closed.consts, arrays)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     outs, updates = flat[: len(out_leaves)], flat[len(out_leaves) :]
     if changed:
-      _write_back((args, kwargs), [traced[k] for k in changed], updates, leaves)
-    outs = [interp.cast(o, policy.output_dtype) if interp.is_float(o) else o for o in outs]
+      # An update is stored in the dtype the function gave it (an int stays an int), a
+      # 16-bit argument traced as float32 in its own dtype.
+      dtypes = [
+        arrays[k].dtype if promoted[k] else s.dtype
+        for k, s in zip(changed, update_shape, strict=True)
+      ]
+      updates = [interp.cast(u, d) for u, d in zip(updates, dtypes, strict=True)]
+      _write_back((args, kwargs), [traced[k] for k in changed], updates)
+    outs = [interp.cast(o, policy.output_dtype) if interp.is_real_float(o) else o for o in outs]
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
   return mixed
 
 
-def _write_back(root: Any, positions: list[int], values: list[Any], leaves: list[Any]) -> None:
+def _trace(flat_fun: Callable[..., Any], arrays: list[Any]) -> tuple[Any, Any, list[bool]]:
+  """`fun`'s jaxpr, as written; or, when it cannot trace, with its 16-bit arrays as float32.
+
+  A function fed 16-bit parameters and a float32 input (an Equinox model cast
+  to bfloat16, called on float32 data) may not trace at all: JAX refuses a
+  convolution of mixed dtypes. `torch.autocast` runs such a model; so does
+  `autocast`: it traces the function with those arrays presented as float32
+  (the float32 program the user meant) and runs it on the 16-bit values.
+  Returns the closed jaxpr, the output and update shapes, and which arrays
+  were presented as float32.
+  """
+  try:
+    closed, shapes = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
+    return closed, shapes, [False] * len(arrays)
+  except TypeError as error:
+    promoted = [interp.is_real_float(a) and interp.dtype_of(a).itemsize < 4 for a in arrays]
+    if not any(promoted):
+      raise
+    avals = [
+      jax.ShapeDtypeStruct(np.shape(a), np.float32) if p else a
+      for a, p in zip(arrays, promoted, strict=True)
+    ]
+    try:
+      closed, shapes = jax.make_jaxpr(flat_fun, return_shape=True)(*avals)
+    except Exception:
+      raise error from None
+    return closed, shapes, promoted
+
+
+def _write_back(root: Any, positions: list[int], values: list[Any]) -> None:
   """Stores the arrays `fun` updated in place into the caller's argument objects.
 
-  Each is cast back to its leaf's dtype (a float32 BatchNorm statistic stays
-  float32) and set on its parent container, found by its path: an attribute
-  (`setattr`, or an NNX variable's `set_value`) or a dict or list entry.
+  Each (already in the dtype the function gave it: a float32 BatchNorm
+  statistic stays float32) is set on its parent container, found by its
+  path: an attribute (`setattr`, or an NNX variable's `set_value`) or a dict
+  or list entry.
   """
   paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(root)[0]]
   for position, value in zip(positions, values, strict=True):
     path = paths[position]
-    old = leaves[position]
-    value = interp.cast(value, old.dtype) if interp.is_float(value) else value
     parent = root
     try:
       for key in path[:-1]:

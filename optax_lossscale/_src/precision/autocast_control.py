@@ -16,15 +16,20 @@ primitives need types to agree:
   for the declared types) runs through the interpreter too, and its outputs
   are cast to what the interpreted function returns. Custom rules are kept.
 
-`jit` is inlined: its boundary is a compilation detail. A `custom_vjp`
-function runs as written (the `as_written` rule), body and rules unchanged.
+A `jit` whose body holds only region work is inlined into its region; one
+holding products or control flow stays a `jit` call, its interpreted jaxpr
+cached by the identity of JAX's (JAX itself caches that per function and
+shapes), so re-tracing a model re-uses it. A `custom_vjp` function runs as
+written (the `as_written` rule), body and rules unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 import functools
+import threading
 from typing import Any
+import weakref
 
 import jax
 from jax import lax
@@ -34,21 +39,48 @@ import numpy as np
 from optax_lossscale._src.precision import autocast_interpreter as interp
 from optax_lossscale._src.utils import compat
 
+Kind = interp.Kind
 _MAX_ROUNDS = 4
 
 
+def _kinds(values: Sequence[Any]) -> list[Kind]:
+  return [interp.kind_of(v) for v in values]
+
+
 def inline(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
-  """`jit` and the call primitives: the inner jaxpr evaluated in place."""
+  """`closed_call` and `core_call`: the inner jaxpr evaluated in place."""
   closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   if hasattr(closed, "consts"):
-    return ctx.eval_closed(closed, invals)
-  return ctx.eval(closed, (), invals)
+    return ctx.eval_closed(closed, invals, _kinds(invals))
+  return ctx.eval(closed, (), invals, _kinds(invals))
+
+
+_jit_cache: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+_jit_lock = threading.RLock()
+
+
+def jit(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`jax.jit`: inlined inside a region; else a `jit` of the interpreted body, cached."""
+  closed = eqn.params["jaxpr"]
+  kinds = _kinds(invals)
+  if interp.in_region():
+    return ctx.eval_closed(closed, invals, kinds)
+  avals = tuple(compat.typeof(v) for v in invals)
+  key = (ctx, avals, tuple(kinds))
+  with _jit_lock:
+    found = _jit_cache.setdefault(closed, {}).get(key)
+  if found is None:
+    found = jax.make_jaxpr(lambda *a: ctx.eval_closed(closed, a, kinds))(*invals)
+    with _jit_lock:
+      _jit_cache[closed][key] = found
+  return interp.bind(eqn, invals, jaxpr=found)
 
 
 def remat(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`jax.checkpoint`: the same rematerialization policy around the interpreted body."""
   jaxpr = eqn.params["jaxpr"]
-  body = lambda *args: ctx.eval(jaxpr, (), args)
+  kinds = _kinds(invals)
+  body = lambda *args: ctx.eval(jaxpr, (), args, kinds)
   checkpointed = jax.checkpoint(
     body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
   )
@@ -58,7 +90,11 @@ def remat(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
 def cond(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`lax.cond` and `lax.switch`: branches whose outputs meet in their widest dtypes."""
   index, *operands = invals
-  branches = [functools.partial(ctx.eval_closed, b) for b in eqn.params["branches"]]
+  kinds = _kinds(operands)
+  branches = [
+    functools.partial(lambda b, ops: ctx.eval_closed(b, ops, kinds), b)
+    for b in eqn.params["branches"]
+  ]
   per_branch = [_out_dtypes(lambda *ops, b=b: b(ops), operands) for b in branches]
   dtypes = [_promote(*column) for column in zip(*per_branch, strict=True)]
   fns = [lambda *ops, b=b: interp.cast_all(b(ops), dtypes) for b in branches]
@@ -70,11 +106,25 @@ def while_loop(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   p = eqn.params
   cond_consts, rest = _split(invals, p["cond_nconsts"])
   body_consts, init = _split(rest, p["body_nconsts"])
-  body = lambda carry: ctx.eval_closed(p["body_jaxpr"], [*body_consts, *carry])
-  test = lambda carry: ctx.eval_closed(p["cond_jaxpr"], [*cond_consts, *carry])[0]
-  dtypes = _carry_dtypes(lambda carry: body(carry), init)
+  cond_kinds = _kinds(cond_consts) + [Kind.ACT] * len(init)
+  body_kinds = _kinds(body_consts) + [Kind.ACT] * len(init)
+  body = lambda carry: ctx.eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_kinds)
+  test = lambda carry: ctx.eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cond_kinds)[0]
+  dtypes = _carry_dtypes(body, init)
   step = lambda carry: interp.cast_all(body(carry), dtypes)
-  return list(lax.while_loop(test, step, interp.cast_all(init, dtypes)))
+  return list(lax.while_loop(lambda c: _predicate(test(c)), step, interp.cast_all(init, dtypes)))
+
+
+def _predicate(pred: Any) -> Any:
+  """A while loop's test as `lax.while_loop` wants it: a boolean scalar.
+
+  A literal test is a NumPy bool. A batched one (the jaxpr of `jax.vmap` of a
+  loop whose test depends on the mapped values holds one test per element,
+  and a body that leaves finished elements unchanged) loops while any
+  element's does, as JAX lowers it.
+  """
+  pred = jnp.asarray(pred, dtype=bool)
+  return jnp.any(pred) if pred.ndim else pred
 
 
 def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
@@ -83,9 +133,10 @@ def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   consts, rest = _split(invals, p["num_consts"])
   init, xs = _split(rest, p["num_carry"])
   num_carry = p["num_carry"]
+  kinds = _kinds(consts) + [Kind.ACT] * len(init) + _kinds(xs)
 
   def body(carry: Sequence[Any], x: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    out = ctx.eval_closed(p["jaxpr"], [*consts, *carry, *x])
+    out = ctx.eval_closed(p["jaxpr"], [*consts, *carry, *x], kinds)
     return out[:num_carry], out[num_carry:]
 
   def first(carry: Sequence[Any]) -> list[Any]:  # one step, for the carry's types
@@ -112,17 +163,18 @@ def custom_jvp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`jax.custom_jvp`: the body interpreted, the rule kept (and interpreted alike)."""
   p = eqn.params
   consts, args = _split(invals, p["num_consts"])
-  fun = lambda *a: ctx.eval_closed(p["call_jaxpr"], [*consts, *a])
+  kinds = _kinds(invals)
+  fun = lambda *a: ctx.eval_closed(p["call_jaxpr"], [*consts, *a], kinds)
   dtypes = _out_dtypes(fun, args)
   new = jax.custom_jvp(fun)
 
   def rule(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
     jaxpr, rule_consts, out_zeros = compat.custom_jvp_rule_jaxpr(p, len(primals))
-    outs = ctx.eval(jaxpr, rule_consts, [*primals, *tangents])
+    outs = ctx.eval(jaxpr, rule_consts, [*primals, *tangents], kinds[len(consts) :] * 2)
     primals_out = interp.cast_all(outs[: len(out_zeros)], dtypes)
     nonzero = iter(outs[len(out_zeros) :])
     tangents_out = [
-      jnp.zeros_like(x) if zero else interp.cast(next(nonzero), interp.dtype_of(x))
+      _zeros(x) if zero else interp.cast(next(nonzero), interp.dtype_of(x))
       for x, zero in zip(primals_out, out_zeros, strict=True)
     ]
     return primals_out, tangents_out
@@ -131,10 +183,17 @@ def custom_jvp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   return list(new(*args))
 
 
+def _zeros(x: Any) -> Any:
+  if interp.is_float(x):
+    return jnp.zeros_like(x)
+  return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
 def shard_map(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`jax.shard_map`: the same mesh, specs and checks around the interpreted body."""
   p = eqn.params
-  body = lambda *args: tuple(ctx.eval(p["jaxpr"], (), args))
+  kinds = _kinds(invals)
+  body = lambda *args: tuple(ctx.eval(p["jaxpr"], (), args, kinds))
   mapped = jax.shard_map(
     body,
     mesh=p["mesh"],
@@ -153,14 +212,14 @@ def _split(values: Sequence[Any], n: int) -> tuple[list[Any], list[Any]]:
   return list(values[:n]), list(values[n:])
 
 
-def _out_dtypes(fun: Callable[..., Sequence[Any]], args: Sequence[Any]) -> list[np.dtype]:
+def _out_dtypes(fun: Callable[..., Sequence[Any]], args: Sequence[Any]) -> list[Any]:
   """The dtypes `fun(*args)` returns, traced abstractly (trace time only)."""
-  return [np.dtype(s.dtype) for s in jax.eval_shape(lambda *a: list(fun(*a)), *args)]
+  return [s.dtype for s in jax.eval_shape(lambda *a: list(fun(*a)), *args)]
 
 
-def _promote(*dtypes: np.dtype) -> np.dtype:
-  """The dtype several floating dtypes meet in; a non-floating one stays as it is."""
-  if not all(jnp.issubdtype(d, jnp.inexact) for d in dtypes):
+def _promote(*dtypes: Any) -> Any:
+  """The dtype several floating dtypes meet in; a non-floating one (a key) stays as it is."""
+  if not all(interp.is_plain(d) and jnp.issubdtype(d, jnp.inexact) for d in dtypes):
     return dtypes[0]
   return np.dtype(functools.reduce(jnp.promote_types, dtypes))
 

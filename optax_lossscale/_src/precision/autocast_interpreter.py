@@ -1,29 +1,36 @@
 """The interpreter behind `autocast`: one loop over a jaxpr, a rule per primitive.
 
 Each equation is re-bound on the values the interpreter holds, which may have
-other floating dtypes than the jaxpr declares (a float32 program now fed
-float16 activations). A rule decides the dtypes of the equation's floating
-inputs, then binds the primitive with its parameters as written:
+other floating dtypes than the jaxpr declares (a float32 program whose
+products now take 16-bit operands). A rule decides the dtypes of the
+equation's floating inputs, then binds the primitive with its parameters as
+written:
 
-  compute      matrix products and convolutions: inputs in the compute dtype,
-               accumulated in float32 (forward and backward, see `_matmul`)
-  float32      overflow- and precision-prone ops: inputs promoted to >= float32
-  widest       everything else: inputs promoted to their widest floating dtype
+  compute      matrix products and convolutions: operands in the compute
+               dtype, float32 accumulation and result (`autocast_products`)
+  float32      arithmetic: inputs promoted to at least float32
+  widest       exact ops (moves, comparisons, max, select): inputs promoted to
+               their widest floating dtype, so 16-bit values stay 16-bit
   as_written   ops whose parameters fix their dtypes (bitcasts, callbacks,
                custom_vjp kernels): inputs cast back to the declared dtypes
   independent  ops whose operands do not meet (collectives, sort): as they are
 
-Primitives that hold jaxprs (jit, scan, cond, ...) have rules of their own in
-`autocast_control`; the table that names every known primitive is in
-`autocast_rules`. Integer, boolean and key values are never cast.
+The loop groups consecutive float32 and widest equations into regions
+(`autocast_regions`): the backward pass keeps only their 16-bit inputs, as a
+fused kernel does. Primitives that hold jaxprs (jit, scan, cond, ...) have
+rules of their own in `autocast_control`; the table that names every known
+primitive is in `autocast_rules`. Integer, boolean and key values are never
+cast, and complex values never become real.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import contextvars
 import dataclasses
+import enum
 import functools
-import operator
 from typing import Any
 
 import jax
@@ -50,7 +57,7 @@ class UnknownPrimitiveError(NotImplementedError):
     >>> halve_p = jax.extend.core.Primitive('halve')
     >>> _ = halve_p.def_impl(lambda x: x / 2)
     >>> _ = halve_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
-    >>> f = lambda x: halve_p.bind(x @ x)
+    >>> f = lambda x: halve_p.bind((x @ x).astype(jnp.float16))
     >>> try:
     ...   ols.autocast(f, 'c=f16')(jnp.ones((2, 2)))
     ... except ols.UnknownPrimitiveError as e:
@@ -61,52 +68,198 @@ class UnknownPrimitiveError(NotImplementedError):
   """
 
 
-@dataclasses.dataclass(frozen=True)
+def unknown_primitive(name: str) -> UnknownPrimitiveError:
+  return UnknownPrimitiveError(
+    f"autocast has no rule for the primitive {name!r}, so it cannot tell which dtype it"
+    f" must run in. Give it one with autocast(fun, policy, rules={{{name!r}: kind}}):"
+    " 'widest' runs it on its inputs' widest floating dtype, so 16-bit work stays in 16"
+    " bits (right for an elementwise or data-movement kernel that accepts any float);"
+    " 'float32' promotes its inputs to float32 (right for an overflow-prone op);"
+    " 'as_written' casts its inputs back to the dtypes the function declares, float32"
+    " for a float32 function (right for a typed kernel, but it runs 16-bit work in"
+    f" float32); 'independent' and 'compute' are the other kinds ({list(KIND_NAMES)})."
+  )
+
+
+class Kind(enum.Enum):
+  """What a value is, for deciding what the backward pass may keep in 16 bits.
+
+  GIVEN: an argument of the function or a constant (kept alive by the caller
+  anyway: a 16-bit copy would only add memory). STAT: a reduction (a sum, a
+  mean, a maximum) and what is computed from reductions alone: kept exact.
+  ACT: every other computed value, an activation.
+  """
+
+  GIVEN = 0
+  STAT = 1
+  ACT = 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Context:
-  """What the rules need: the compute dtype and the table of rules."""
+  """What the rules need: the compute dtype, the table of rules and the fp8 recipe.
+
+  Compares and hashes by value, so that two `autocast` wrappers of one policy
+  share the interpreter's caches.
+  """
 
   compute_dtype: np.dtype
   rules: Mapping[str, Rule]
+  fusible: frozenset[str] = frozenset()
+  fp8: str | None = None
 
-  def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+  @functools.cached_property
+  def _key(self) -> tuple[Any, ...]:
+    return (self.compute_dtype, tuple(sorted(self.rules.items())), self.fusible, self.fp8)
+
+  def __hash__(self) -> int:
+    return hash(self._key)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, Context) and self._key == other._key
+
+  def eval(
+    self,
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    kinds: Sequence[Kind] | None = None,
+  ) -> list[Any]:
     """Evaluates an open `jaxpr` with the rules."""
-    return eval_jaxpr(self, jaxpr, consts, args)
+    return eval_jaxpr(self, jaxpr, consts, args, kinds)
 
-  def eval_closed(self, closed: Any, args: Sequence[Any]) -> list[Any]:
+  def eval_closed(
+    self, closed: Any, args: Sequence[Any], kinds: Sequence[Kind] | None = None
+  ) -> list[Any]:
     """Evaluates a `ClosedJaxpr` with the rules."""
-    return eval_jaxpr(self, closed.jaxpr, closed.consts, args)
+    return eval_jaxpr(self, closed.jaxpr, closed.consts, args, kinds)
 
 
-def eval_jaxpr(ctx: Context, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-  """The interpreter loop: `jax.core.eval_jaxpr` with a rule per equation."""
+# The kinds of the values an interpreter loop holds, by the value's identity:
+# set by the loop, read by the rules of the primitives holding jaxprs, which
+# pass them on to their bodies.
+_KINDS: contextvars.ContextVar[dict[int, tuple[Any, Kind]] | None] = contextvars.ContextVar(
+  "autocast_kinds", default=None
+)
+# Each value's copy in the compute dtype, made once (products and regions share it).
+_COPIES: contextvars.ContextVar[dict[tuple[int, Any], tuple[Any, Any]] | None] = (
+  contextvars.ContextVar("autocast_copies", default=None)
+)
+
+
+# Set while a region's body is evaluated: no region inside a region.
+_IN_REGION: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  "autocast_in_region", default=False
+)
+
+
+def in_region() -> bool:
+  return _IN_REGION.get()
+
+
+@contextlib.contextmanager
+def scope() -> Any:
+  """One top-level evaluation: the memo of value kinds."""
+  kinds = _KINDS.set({})
+  try:
+    yield
+  finally:
+    _KINDS.reset(kinds)
+
+
+def kind_of(value: Any) -> Kind:
+  """The kind the running loop gave `value` (ACT when unknown)."""
+  memo = _KINDS.get()
+  entry = None if memo is None else memo.get(id(value))
+  return entry[1] if entry is not None and entry[0] is value else Kind.ACT
+
+
+def _remember_kind(value: Any, kind: Kind) -> None:
+  memo = _KINDS.get()
+  if memo is not None and kind is not Kind.ACT:
+    memo[id(value)] = (value, kind)
+
+
+def eval_jaxpr(
+  ctx: Context,
+  jaxpr: Any,
+  consts: Sequence[Any],
+  args: Sequence[Any],
+  kinds: Sequence[Kind] | None = None,
+) -> list[Any]:
+  """The interpreter loop: `jax.core.eval_jaxpr` with a rule per equation.
+
+  Consecutive float32 and widest equations run as one region (see
+  `autocast_regions`); every other equation by its rule. `kinds` says which
+  arguments are activations (default: none, they are the caller's arrays).
+  """
+  if kinds is None:
+    kinds = [Kind.GIVEN] * len(args)
+  plan = regions.plan(ctx, jaxpr, tuple(kinds), flat=in_region())
   env: dict[Any, Any] = {}
 
   def read(v: Any) -> Any:
     if isinstance(v, jex.core.Literal):  # a NumPy constant of the declared dtype
-      return np.asarray(v.val, v.aval.dtype) if _is_plain(v.aval.dtype) else v.val
+      return literal(v)
     return env[v]
 
   env.update(zip(jaxpr.constvars, consts, strict=True))
   env.update(zip(jaxpr.invars, args, strict=True))
-  for eqn in jaxpr.eqns:
-    rule = ctx.rules.get(eqn.primitive.name)
-    if rule is None:
-      raise UnknownPrimitiveError(
-        f"autocast has no rule for the primitive {eqn.primitive.name!r}, so it cannot tell"
-        " which dtype it must run in. Tell it with autocast(fun, policy, rules="
-        f"{{{eqn.primitive.name!r}: kind}}), kind one of {sorted(KINDS)}: 'as_written'"
-        " runs it on the dtypes the function declares (right for typed kernels)."
-      )
-    with compat.eqn_context(eqn):
-      outs = rule(ctx, eqn, [read(v) for v in eqn.invars])
-    env.update(zip(eqn.outvars, outs, strict=True))  # dropped outputs too, as JAX does
+  for v, value in zip(jaxpr.invars, args, strict=True):
+    _remember_kind(value, plan.kinds[v])
+  for value in consts:
+    _remember_kind(value, Kind.GIVEN)
+  # Copies are shared within one loop, never across (a body is another trace).
+  copies = _COPIES.set({})
+  try:
+    for step in plan.steps:
+      invals = [read(v) for v in step.invars]
+      if isinstance(step, regions.Region):
+        kinds_in = [plan.kinds.get(v, Kind.GIVEN) for v in step.invars]
+        outs = regions.run(ctx, step, invals, kinds_in)
+      else:
+        eqn = step.eqn
+        rule = ctx.rules.get(eqn.primitive.name)
+        if rule is None:
+          raise unknown_primitive(eqn.primitive.name)
+        with compat.eqn_context(eqn):
+          outs = rule(ctx, eqn, invals)
+      for v, out in zip(step.outvars, outs, strict=True):
+        env[v] = out  # dropped outputs too, as JAX does
+        _remember_kind(out, plan.kinds.get(v, Kind.ACT))
+  finally:
+    _COPIES.reset(copies)
   return [read(v) for v in jaxpr.outvars]
+
+
+def eval_flat(ctx: Context, eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any],
+              args: Sequence[Any]) -> list[Any]:  # fmt: skip
+  """Evaluates `eqns` one by one with their rules (a region's body: no regions inside)."""
+  env: dict[Any, Any] = dict(zip(invars, args, strict=True))
+  read = lambda v: literal(v) if isinstance(v, jex.core.Literal) else env[v]
+  token = _IN_REGION.set(True)
+  try:
+    for eqn in eqns:
+      rule = ctx.rules.get(eqn.primitive.name)
+      if rule is None:
+        raise unknown_primitive(eqn.primitive.name)
+      with compat.eqn_context(eqn, names=False):
+        outs = rule(ctx, eqn, [read(v) for v in eqn.invars])
+      env.update(zip(eqn.outvars, outs, strict=True))
+  finally:
+    _IN_REGION.reset(token)
+  return [read(v) for v in outvars]
+
+
+def literal(v: Any) -> Any:
+  """A jaxpr literal as a NumPy constant of its declared dtype (a key literal as it is)."""
+  return np.asarray(v.val, v.aval.dtype) if is_plain(v.aval.dtype) else v.val
 
 
 # -- dtypes of the values the interpreter holds.
 
 
-def _is_plain(dtype: Any) -> bool:
+def is_plain(dtype: Any) -> bool:
   """A NumPy dtype, not an extended one (PRNG keys)."""
   return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
@@ -119,12 +272,31 @@ def dtype_of(value: Any) -> Any:
 def is_float(value: Any) -> bool:
   """Floating or complex (never an extended dtype such as a PRNG key's)."""
   dtype = dtype_of(value)
-  return _is_plain(dtype) and jnp.issubdtype(dtype, jnp.inexact)
+  return is_plain(dtype) and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def is_real_float(value: Any) -> bool:
+  dtype = dtype_of(value)
+  return is_plain(dtype) and jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_complex(value: Any) -> bool:
+  dtype = dtype_of(value)
+  return is_plain(dtype) and jnp.issubdtype(dtype, jnp.complexfloating)
 
 
 def cast(value: Any, dtype: Any) -> Any:
-  """`value` as `dtype`; the same object when it already is."""
-  if not is_float(value) or dtype_of(value) == np.dtype(dtype):
+  """`value` as `dtype`; the same object when it already is.
+
+  Complex values never become real: a complex value asked to become a real
+  dtype becomes the complex dtype at least as wide (complex64 for float16).
+  """
+  if not is_float(value):
+    return value
+  dtype = np.dtype(dtype)
+  if is_complex(value) and not jnp.issubdtype(dtype, jnp.complexfloating):
+    dtype = np.dtype(jnp.promote_types(dtype, np.complex64))
+  if dtype_of(value) == dtype:
     return value
   return lax.convert_element_type(value, dtype)
 
@@ -133,23 +305,37 @@ def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
   return [cast(v, d) for v, d in zip(values, dtypes, strict=True)]
 
 
-def _is_scalar_constant(var: Any) -> bool:
+def compute_copy(value: Any, dtype: Any) -> Any:
+  """`value` in the compute dtype, converted once per value (products and regions share it)."""
+  memo = _COPIES.get()
+  if memo is None or not is_real_float(value) or dtype_of(value) == np.dtype(dtype):
+    return cast(value, dtype)
+  key = (id(value), np.dtype(dtype))
+  entry = memo.get(key)
+  if entry is not None and entry[0] is value:
+    return entry[1]
+  copy = cast(value, dtype)
+  memo[key] = (value, copy)
+  return copy
+
+
+def is_scalar_constant(var: Any) -> bool:
   """A literal of the jaxpr: a Python or NumPy number of the function, e.g. `0.5` in `x * 0.5`."""
   return isinstance(var, jex.core.Literal) and not np.shape(var.val)
 
 
-def _fits(value: Any, dtype: np.dtype) -> bool:
+def fits(value: Any, dtype: np.dtype) -> bool:
   """Whether a real constant keeps its magnitude in `dtype` (inf and NaN fit anywhere)."""
   value = np.asarray(value)
-  if np.iscomplexobj(value) or not np.isfinite(value):
+  if np.iscomplexobj(value) or not np.all(np.isfinite(value)):
     return not np.iscomplexobj(value) or jnp.issubdtype(dtype, jnp.complexfloating)
-  return bool(abs(value) <= jnp.finfo(dtype).max)
+  return bool(np.all(abs(value) <= jnp.finfo(dtype).max))
 
 
-def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-  """Binds `eqn`'s primitive with its parameters as written, on `invals`."""
+def bind(eqn: Any, invals: Sequence[Any], **overrides: Any) -> list[Any]:
+  """Binds `eqn`'s primitive with its parameters as written (and `overrides`), on `invals`."""
   subfuns, params = compat.bind_params(eqn)
-  out = eqn.primitive.bind(*subfuns, *invals, **params)
+  out = eqn.primitive.bind(*subfuns, *invals, **{**params, **overrides})
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
@@ -166,14 +352,22 @@ def widest_float(eqn: Any, invals: Sequence[Any], floor: Any = None) -> np.dtype
   inputs = [(var, dtype_of(v)) for v, var in zip(invals, eqn.invars, strict=True) if is_float(v)]
   if not inputs:
     return None
-  others = [d for var, d in inputs if not _is_scalar_constant(var)]
+  others = [d for var, d in inputs if not is_scalar_constant(var)]
   if floor is not None:
     others.append(np.dtype(floor))
   target = functools.reduce(jnp.promote_types, others) if others else None
   for var, dtype in inputs:
-    if _is_scalar_constant(var) and (target is None or not _fits(var.val, target)):
+    if is_scalar_constant(var) and (target is None or not fits(var.val, target)):
       target = dtype if target is None else jnp.promote_types(target, dtype)
+  # A constant held in the parameters (gather's fill value) must fit too.
+  fill = eqn.params.get("fill_value")
+  if fill is not None and target is not None and not fits(fill, np.dtype(target)):
+    target = jnp.promote_types(target, np.float32)
   return np.dtype(target)
+
+
+def _cast_floats(invals: Sequence[Any], target: np.dtype | None) -> list[Any]:
+  return [cast(v, target) if is_float(v) and target is not None else v for v in invals]
 
 
 # -- the first-order rules.
@@ -181,14 +375,12 @@ def widest_float(eqn: Any, invals: Sequence[Any], floor: Any = None) -> np.dtype
 
 def widest(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
   del ctx
-  target = widest_float(eqn, invals)
-  return bind(eqn, [cast(v, target) if is_float(v) else v for v in invals])
+  return bind(eqn, _cast_floats(invals, widest_float(eqn, invals)))
 
 
 def float32(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
   del ctx
-  target = widest_float(eqn, invals, floor=np.float32)
-  return bind(eqn, [cast(v, target) if is_float(v) else v for v in invals])
+  return bind(eqn, _cast_floats(invals, widest_float(eqn, invals, floor=np.float32)))
 
 
 def as_written(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
@@ -201,81 +393,7 @@ def independent(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
   return bind(eqn, invals)
 
 
-def reciprocal_in_float32(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-  """`div`: `1 / x` (a constant numerator) in float32, as torch's `__rdiv__`."""
-  if _is_scalar_constant(eqn.invars[0]):
-    return float32(ctx, eqn, invals)
-  return widest(ctx, eqn, invals)
+# The kinds a user may name in `autocast(..., rules=)` ('compute' is `autocast_products`').
+KIND_NAMES = ("as_written", "compute", "float32", "independent", "widest")
 
-
-def compute(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
-  """Matrix products and convolutions: floating inputs in the compute dtype.
-
-  fp8 inputs are the function's own choice (an fp8 layer quantizes its
-  operands and says how to accumulate): such a product is left as written.
-  """
-  floats = [v for v in invals if is_float(v)]
-  if not floats:
-    return bind(eqn, invals)
-  if any(dtype_of(v).itemsize == 1 for v in floats):
-    return as_written(ctx, eqn, invals)
-  c = ctx.compute_dtype
-  params = dict(eqn.params)
-  if isinstance(params.get("precision"), (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
-    # An algorithm fixes the input types (XLA would cast ours back): drop it.
-    params["precision"] = None
-  ops = [cast(v, c) for v in invals]
-  if c.itemsize >= 4:
-    return [eqn.primitive.bind(*ops, **{**params, "preferred_element_type": c})]
-  try:
-    key = tuple(sorted(params.items()))
-    hash(key)
-  except TypeError:  # an unhashable parameter: build the product uncached
-    return [_matmul.__wrapped__(eqn.primitive, tuple(params.items()), c)(*ops)]
-  return [_matmul(eqn.primitive, key, c)(*ops)]
-
-
-@functools.lru_cache(maxsize=512)
-def _matmul(primitive: Any, items: tuple[tuple[str, Any], ...], c: np.dtype) -> Callable[..., Any]:
-  """`primitive` on compute-dtype inputs, accumulated in float32, as a `custom_jvp`.
-
-  Forward: the product with `preferred_element_type=float32`, rounded to the
-  compute dtype. Bound plainly, JAX would transpose that float32 product into
-  backward products that take the float32 cotangent (and so run in float32).
-  Here the tangent rule is the product itself on compute-dtype operands
-  (bilinear: one product per nonzero tangent), whose transposes, the backward
-  pass, take the compute-dtype cotangent: every matrix product of a training
-  step runs on compute-dtype inputs. The backward products accumulate as the
-  backend accumulates compute-dtype products (float32 on CPU, GPU and TPU
-  matrix units; checked on CPU in `tests/test_autocast.py`).
-  """
-
-  params = dict(items)
-
-  def product(*ops: Any, preferred: Any) -> Any:
-    return primitive.bind(*ops, **{**params, "preferred_element_type": preferred})
-
-  @jax.custom_jvp
-  def f(*ops: Any) -> Any:
-    return lax.convert_element_type(product(*ops, preferred=np.float32), c)
-
-  def f_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
-    out = f(*primals)
-    terms = [
-      product(*primals[:i], t, *primals[i + 1 :], preferred=c)
-      for i, t in enumerate(tangents)
-      if is_float(primals[i]) and not isinstance(t, jax.custom_derivatives.SymbolicZero)
-    ]
-    return out, functools.reduce(operator.add, terms) if terms else jnp.zeros_like(out)
-
-  f.defjvp(f_jvp, symbolic_zeros=True)
-  return f
-
-
-KINDS: dict[str, Rule] = {
-  "compute": compute,
-  "float32": float32,
-  "widest": widest,
-  "as_written": as_written,
-  "independent": independent,
-}
+from optax_lossscale._src.precision import autocast_regions as regions  # noqa: E402

@@ -1,24 +1,27 @@
 """The table of `autocast`: which dtype each JAX primitive runs in.
 
-The float32 list starts from `torch.amp`'s ("CUDA ops that can autocast to
-float32"), mapped to the JAX primitives those ops lower to, and differs from
-it where JAX's primitives are not PyTorch's ops (docs/guides/mixed_precision.md,
-"Which ops run in which dtype", explains every difference):
+Every primitive the supported jax releases define has an entry
+(`tests/test_autocast_primitives.py` walks the installed jax and fails on one
+without), so a new release's primitive is caught by CI, not by a user.
 
-- torch lists composite ops (`layer_norm`, `softmax`, `cross_entropy`, the
-  losses); JAX decomposes them, so their parts are listed: the sums
-  (`reduce_sum`), `exp`, `log`, `rsqrt`, `square` and `integer_pow` (a
-  variance's squares overflow float16 above 256). Their statistics therefore
-  run in float32 whatever function computes them.
-- `logistic` (sigmoid) is here, torch keeps it in float16; `sqrt` is not,
-  torch has no entry for it either; `1 / x` (a `div` whose numerator is a
-  Python number) is, as torch's `__rdiv__`.
-- special functions (`lgamma`, `digamma`, `erf_inv`, ...) and linear algebra
-  (`cholesky`, `triangular_solve`, ...): float32, as torch runs them (they
-  have no float16 kernels there).
+- compute: the matrix products (16-bit operands, float32 accumulation).
+- float32: arithmetic, every op that rounds: a fused kernel computes in
+  float32 whatever it stores, and so does autocast (torch.amp's float32
+  list, `exp`, `log`, `pow`, the sums and norms, the losses, is a subset;
+  docs/guides/mixed_precision.md lists the differences). Their results are
+  float32; what the backward pass keeps of them is 16-bit (`autocast_regions`).
+- widest: the exact ops (data movement, comparisons, max and min, select,
+  random bits): a 16-bit value moves in 16 bits.
+- kernels: linear algebra and the FFT, float32 (no 16-bit kernels anywhere),
+  and, being costly, never recomputed in a region's backward pass.
+- independent: operands that never meet (collectives, sort, sharding hints).
+- as_written: dtypes the function fixed (bitcasts, typed kernels, callbacks,
+  custom_vjp functions, scatters, references), and the primitives that only
+  live inside a Pallas or Mosaic kernel's own jaxpr (which autocast never
+  enters: `pallas_call` runs as written).
 
-A primitive missing from the table raises `UnknownPrimitiveError` naming it;
-`autocast(..., rules={name: kind})` adds or overrides entries per call.
+The float32 and widest primitives (but `name`, which marks what a remat
+policy may save) join regions; everything else is a region boundary.
 """
 
 from __future__ import annotations
@@ -27,70 +30,109 @@ from collections.abc import Mapping
 
 from optax_lossscale._src.precision import autocast_control as control
 from optax_lossscale._src.precision import autocast_interpreter as interp
+from optax_lossscale._src.precision import autocast_products as products
 
-# Matrix products and convolutions: inputs in the compute dtype, float32 accumulation.
+# Matrix products and convolutions: compute-dtype operands, float32 accumulation.
 COMPUTE = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 
-# Overflow- and precision-prone: inputs promoted to at least float32.
+# Arithmetic: inputs promoted to at least float32.
 FLOAT32 = (
-  # exponentials, logarithms and powers (torch: exp, expm1, log, log1p, log2, log10, pow)
-  "exp", "exp2", "expm1", "log", "log1p", "logistic", "pow", "integer_pow", "square",
-  # reciprocals and the functions that overflow (torch: rsqrt, reciprocal, tan, cosh, sinh, ...)
-  "rsqrt", "tan", "acos", "asin", "acosh", "asinh", "atanh", "cosh", "sinh",
-  # sums and products over many elements (torch: sum, prod, cumsum, cumprod, logsumexp)
-  "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
-  # special functions (torch: erfinv)
-  "erf_inv", "lgamma", "digamma", "polygamma", "igamma", "igammac", "igamma_grad_a",
-  "random_gamma_grad", "zeta", "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta",
-  # linear algebra and the FFT: no float16 kernels on any backend
+  "add", "add_any", "sub", "mul", "div", "rem", "pow", "integer_pow", "square", "sqrt",
+  "rsqrt", "cbrt", "reciprocal", "exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh",
+  "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh",
+  "atanh", "erf", "erfc", "erf_inv", "lgamma", "digamma", "polygamma", "igamma", "igammac",
+  "igamma_grad_a", "random_gamma_grad", "zeta", "bessel_i0e", "bessel_i1e",
+  "regularized_incomplete_beta", "nextafter", "complex",
+  # sums and products over many elements: accumulated in float32
+  "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
+  "select_and_scatter_add",
+)  # fmt: skip
+
+# Exact ops: inputs meet in their widest floating dtype.
+WIDEST = (
+  "neg", "abs", "sign", "floor", "ceil", "round", "is_finite", "max", "min", "clamp", "eq",
+  "ne", "lt", "gt", "le", "ge", "eq_to", "le_to", "lt_to", "select_n", "real", "imag", "conj",
+  "convert_element_type", "copy", "copy_p", "broadcast_in_dim", "reshape", "transpose",
+  "squeeze", "expand_dims", "rev", "slice", "dynamic_slice", "dynamic_update_slice", "gather",
+  "concatenate", "pad", "split", "tile", "stack", "unstack", "reduce_max", "reduce_min",
+  "argmax", "argmin", "cummax", "cummin", "top_k", "approx_top_k", "reduce_window_max",
+  "reduce_window_min", "select_and_gather_add", "stop_gradient", "zeros_like", "empty",
+  "empty2",
+  # integer, boolean and key work: nothing floating to cast
+  "iota", "and", "or", "not", "xor", "shift_left", "shift_right_arithmetic",
+  "shift_right_logical", "population_count", "clz", "mulhi", "reduce_and", "reduce_or",
+  "reduce_xor", "random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
+  "random_unwrap", "random_clone", "threefry2x32", "threefry4x32", "philox2x32",
+  "philox4x32", "iota_2x32_shape", "rng_bit_generator",
+)  # fmt: skip
+
+# Exact, but a region boundary: `checkpoint_name` marks what a remat policy saves.
+WIDEST_BOUNDARIES = ("name",)
+
+# Linear algebra and the FFT: float32 (no 16-bit kernels), never recomputed.
+KERNELS = (
   "fft", "cholesky", "cholesky_update", "eig", "eigh", "svd", "qr", "lu", "schur",
   "hessenberg", "tridiagonal", "tridiagonal_solve", "triangular_solve", "householder_product",
   "geqrf", "geqp3", "ormqr", "symmetric_product",
 )  # fmt: skip
 
-# Everything else that computes or moves floats: inputs meet in their widest dtype.
-WIDEST = (
-  "add", "add_any", "sub", "mul", "max", "min", "neg", "abs", "sign", "floor", "ceil",
-  "round", "rem", "nextafter", "atan", "atan2", "sin", "cos", "tanh", "sqrt", "cbrt", "erf",
-  "erfc", "is_finite", "eq", "ne", "lt", "gt", "le", "ge", "eq_to", "le_to", "lt_to",
-  "select_n", "clamp", "complex", "conj", "real", "imag", "convert_element_type", "copy",
-  "copy_p", "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "rev",
-  "slice", "dynamic_slice", "dynamic_update_slice", "gather", "concatenate", "pad", "split",
-  "tile", "select_and_gather_add", "select_and_scatter_add", "reduce_max", "reduce_min",
-  "argmax", "argmin", "cummax", "cummin", "top_k", "approx_top_k", "reduce_window_max",
-  "reduce_window_min", "reduce_window_sum", "stop_gradient", "ragged_all_to_all",
-  "sharding_constraint", "reshard", "mesh_cast", "layout_constraint",
-  "with_memory_space_constraint", "zeros_like", "empty", "empty2",
-  # integer, boolean and key work: nothing floating to cast
-  "iota", "and", "or", "not", "xor", "shift_left", "shift_right_arithmetic",
-  "shift_right_logical", "population_count", "clz", "mulhi", "reduce_and", "reduce_or",
-  "reduce_xor", "random_seed", "random_bits", "random_split", "random_fold_in", "random_wrap",
-  "random_unwrap", "threefry2x32", "rng_bit_generator", "axis_index",
-)  # fmt: skip
-
 # Operands that never meet: each keeps its dtype.
 INDEPENDENT = (
   "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all", "reduce_scatter",
-  "pbroadcast", "psum_invariant", "all_gather_invariant", "pvary", "device_put",
-  "optimization_barrier", "sort",
+  "pbroadcast", "psum_invariant", "all_gather_invariant", "all_gather_reduced", "pvary",
+  "preduced", "unreduced_psum", "unreduced_reduce_scatter", "vary_unreduced_cast_p",
+  "reduced_vary_cast_p", "psend", "precv", "ragged_all_to_all",
+  # the asynchronous halves of the collectives
+  "psum_start", "psum_done", "psum_invariant_start", "all_gather_start", "all_gather_done",
+  "all_gather_reduced_start", "all_to_all_start", "all_to_all_done", "ppermute_start",
+  "ppermute_done", "pbroadcast_start", "pbroadcast_done", "reduce_scatter_start",
+  "reduce_scatter_done", "unreduced_psum_start", "unreduced_reduce_scatter_start",
+  # placement, sharding and ordering: the values pass through
+  "device_put", "optimization_barrier", "sort", "sharding_constraint", "reshard", "mesh_cast",
+  "layout_constraint", "with_memory_space_constraint", "shard_alike", "inspect_sharding",
+  "axis_index", "platform_index", "create_token", "after_all", "dce_sink", "tie", "pin",
+  "unpin", "dimension_size", "dim_as_value", "shape_assertion", "lu_pivots_to_permutation",
 )  # fmt: skip
 
-# Dtypes fixed by the function: bitcasts, typed kernels and callbacks, custom_vjp.
+# Dtypes fixed by the function: bitcasts, typed kernels and callbacks, custom_vjp, refs.
 AS_WRITTEN = (
   "bitcast_convert_type", "reduce_precision", "rng_uniform", "random_gamma",
-  "custom_vjp_call", "custom_vjp_call_jaxpr", "pure_callback", "io_callback",
-  "debug_callback", "debug_print", "ffi_call", "pallas_call", "custom_linear_solve",
+  "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call_jaxpr", "pure_callback",
+  "io_callback", "debug_callback", "debug_print", "buffer_callback", "ffi_call",
+  "pallas_call", "tpu_custom_call", "cudnn_fusion", "custom_partitioning",
+  "custom_linear_solve", "custom_vmap_call", "linear_call", "custom_lin", "remat_opt",
+  "composite", "compute_on", "call_exported", "check", "xla_metadata_value", "eval_jaxpr",
   "reduce", "reduce_window", "select_and_scatter", "scatter", "scatter-add", "scatter-sub",
   "scatter-mul", "scatter-min", "scatter-max", "scatter_add", "scatter_mul", "scatter_min",
-  "scatter_max",
+  "scatter_max", "to_edtype", "from_edtype", "unreachable",
+  # typed fused kernels (cuDNN attention, scaled and fp8 matmuls)
+  "dot_product_attention_fwd", "dot_product_attention_bwd",
+  "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper",
+  "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
+  "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fp8_bwd_wrapper",
+  "scaled_matmul", "scaled_matmul_wrapper", "scaled_dot",
+  # references (mutable arrays) and hijax boxes: a write takes the reference's dtype
+  "get", "swap", "addupdate", "new_ref", "empty_ref", "free_ref", "freeze",
+  "accum_grad_in_ref", "create_linear", "broadcast_to", "run_state", "new_box", "box_get",
+  "box_set", "new_log", "log_extend", "log_read", "call_hi_primitive",
+  "call_hi_primitive_linearized", "stage",
+  # only inside a Pallas or Mosaic kernel's jaxpr, which autocast never enters
+  "program_id", "num_programs", "multiple_of", "delay", "get_global", "run_scoped",
+  "semaphore_read", "semaphore_signal", "semaphore_wait", "get_barrier_semaphore",
+  "dma_start", "dma_wait", "matmul_acc_lhs", "matmul_pop", "matmul_push_rhs", "prng_seed",
+  "prng_random_bits", "prng_split", "prng_join", "stochastic_round", "bitcast", "roll",
+  "trace_value", "pack_elementwise", "unpack_elementwise", "add_dependency", "jaxpr_call",
+  "masked_load", "masked_swap", "core_map", "mpmd_map", "fusible", "pack_dtype",
+  "unpack_dtype", "custom_fusion",
 )  # fmt: skip
 
 # Primitives holding jaxprs.
 CONTROL: Mapping[str, interp.Rule] = {
-  "jit": control.inline,
-  "pjit": control.inline,
+  "jit": control.jit,
+  "pjit": control.jit,
   "closed_call": control.inline,
   "core_call": control.inline,
+  "call": control.inline,
   "remat2": control.remat,
   "checkpoint": control.remat,
   "cond": control.cond,
@@ -102,14 +144,24 @@ CONTROL: Mapping[str, interp.Rule] = {
 
 KIND_OF: dict[str, str] = {
   **dict.fromkeys(COMPUTE, "compute"),
-  **dict.fromkeys(FLOAT32, "float32"),
-  **dict.fromkeys(WIDEST, "widest"),
+  **dict.fromkeys(FLOAT32 + KERNELS, "float32"),
+  **dict.fromkeys(WIDEST + WIDEST_BOUNDARIES, "widest"),
   **dict.fromkeys(INDEPENDENT, "independent"),
   **dict.fromkeys(AS_WRITTEN, "as_written"),
 }
 
+KINDS: dict[str, interp.Rule] = {
+  "compute": products.compute,
+  "float32": interp.float32,
+  "widest": interp.widest,
+  "as_written": interp.as_written,
+  "independent": interp.independent,
+}
+
 RULES: dict[str, interp.Rule] = {
-  **{name: interp.KINDS[kind] for name, kind in KIND_OF.items()},
-  "div": interp.reciprocal_in_float32,
+  **{name: KINDS[kind] for name, kind in KIND_OF.items()},
   **CONTROL,
 }
+
+# What may join a region (see the module docstring).
+FUSIBLE = frozenset(FLOAT32 + WIDEST)

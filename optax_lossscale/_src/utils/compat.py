@@ -77,16 +77,30 @@ def bind_params(eqn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
   return (), out
 
 
-def eqn_context(eqn: Any) -> contextlib.AbstractContextManager[Any]:
+def eqn_context(eqn: Any, names: bool = True) -> contextlib.AbstractContextManager[Any]:
   """The context `jax.core.eval_jaxpr` binds an equation in: its name stack and its ctx.
 
   Keeps the HLO metadata (Flax module paths, `jax.named_scope`) of re-bound
-  equations. Private in every supported release (`jax._src.source_info_util`).
+  equations (`names=False`: the ctx alone, e.g. `threefry_partitionable`).
+  Private in every supported release (`jax._src.source_info_util`).
   """
   stack = contextlib.ExitStack()
-  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-  stack.enter_context(source_info_util.user_context(None, name_stack=name_stack))
+  if names:
+    stack.enter_context(name_stack(eqn.source_info.name_stack))
   manager = getattr(getattr(eqn, "ctx", None), "manager", None)
   if manager is not None:
     stack.enter_context(manager)
   return stack
+
+
+def name_stack(stack: Any) -> contextlib.AbstractContextManager[Any]:
+  """Binds under the current name stack extended by `stack` (a jaxpr equation's)."""
+  full = source_info_util.current_name_stack() + stack
+  return source_info_util.user_context(None, name_stack=full)
+
+
+def typeof(value: Any) -> Any:
+  """The abstract value of an array or tracer (`jax.typeof`, jax >= 0.6.1)."""
+  if hasattr(jax, "typeof"):
+    return jax.typeof(value)
+  return jax.core.get_aval(value)  # pragma: no cover

@@ -1,0 +1,174 @@
+"""What reverse mode keeps for the backward pass, under autocast and its peers.
+
+For three Flax Linen models, a pre-LN MLP stack, a 2-block GPT and a conv +
+BatchNorm CNN (4096 tokens or 32 images), the bytes of the residuals JAX saves
+for the backward pass of the loss (`jax.ad_checkpoint.saved_residuals`, the
+function's arguments left out), as a ratio of the same loss in float32:
+
+* `hand-cast bf16`: the model's own `dtype=jnp.bfloat16` (Flax's way);
+* `autocast bf16`, `autocast f16`: the float32 model under `ols.autocast`.
+
+Run: `python -m benchmarks.autocast_memory` (`--quick` for small shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+import json
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax._src import ad_checkpoint
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_lossscale as ols
+
+
+class MLPBlocks(nn.Module):
+  """Pre-LN residual MLP blocks: x + W2 gelu(W1 LN(x) + b1) + b2."""
+
+  depth: int = 4
+  width: int = 256
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for _ in range(self.depth):
+      h = nn.LayerNorm(dtype=self.dtype)(x)
+      h = nn.gelu(nn.Dense(4 * self.width, dtype=self.dtype)(h))
+      x = x + nn.Dense(self.width, dtype=self.dtype)(h)
+    return nn.LayerNorm(dtype=self.dtype)(x)
+
+
+class GPTBlock(nn.Module):
+  width: int
+  heads: int
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = nn.LayerNorm(dtype=self.dtype)(x)
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+    h = nn.MultiHeadDotProductAttention(self.heads, dtype=self.dtype)(h, h, mask=mask)
+    x = x + h
+    h = nn.LayerNorm(dtype=self.dtype)(x)
+    h = nn.Dense(self.width, dtype=self.dtype)(
+      nn.gelu(nn.Dense(4 * self.width, dtype=self.dtype)(h))
+    )
+    return x + h
+
+
+class GPT(nn.Module):
+  vocab: int = 1024
+  width: int = 256
+  heads: int = 4
+  depth: int = 2
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    embed = nn.Embed(self.vocab, self.width, dtype=self.dtype)
+    pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
+    x = embed(tokens) + pos.astype(self.dtype or jnp.float32)
+    for _ in range(self.depth):
+      x = GPTBlock(self.width, self.heads, dtype=self.dtype)(x)
+    return embed.attend(nn.LayerNorm(dtype=self.dtype)(x))
+
+
+class CNN(nn.Module):
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+    for features in (32, 64, 64):
+      x = nn.Conv(features, (3, 3), dtype=self.dtype)(x)
+      x = nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x)
+      x = nn.relu(x)
+      x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+    x = x.reshape(x.shape[0], -1)
+    return nn.Dense(10, dtype=self.dtype)(x)
+
+
+def _models(quick: bool) -> dict[str, tuple[Callable[[Any], nn.Module], Any, Any]]:
+  """name -> (module for a dtype, inputs, labels)."""
+  rng = np.random.default_rng(0)
+  tokens, seq = (256, 64) if quick else (4096, 512)
+  images = 4 if quick else 32
+  x = jnp.asarray(rng.standard_normal((tokens // seq, seq, 256), np.float32))
+  y = jnp.asarray(rng.standard_normal((tokens // seq, seq, 256), np.float32))
+  toks = jnp.asarray(rng.integers(0, 1024, (tokens // seq, seq)), jnp.int32)
+  imgs = jnp.asarray(rng.standard_normal((images, 32, 32, 3), np.float32))
+  labels = jnp.asarray(rng.integers(0, 10, (images,)), jnp.int32)
+  return {
+    "MLP blocks": (lambda d: MLPBlocks(dtype=d), x, y),
+    "GPT": (lambda d: GPT(dtype=d), toks, toks),
+    "CNN": (lambda d: CNN(dtype=d), imgs, labels),
+  }
+
+
+def _loss(name: str, module: nn.Module) -> Callable[..., jax.Array]:
+  def loss(params: Any, extra: Any, inputs: Any, targets: Any) -> jax.Array:
+    variables = {"params": params, **extra}
+    if name == "CNN":
+      logits, _ = module.apply(variables, inputs, mutable=["batch_stats"])
+    else:
+      logits = module.apply(variables, inputs)
+    logits = logits.astype(jnp.float32)
+    if name == "MLP blocks":
+      return jnp.mean((logits - targets) ** 2)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+
+  return loss
+
+
+def residual_bytes(fun: Callable[..., Any], *args: Any) -> int:
+  """Bytes of what reverse mode saves for the backward pass, arguments left out."""
+  total = 0
+  for aval, where in ad_checkpoint.saved_residuals(fun, *args):
+    if "from the argument" in where:
+      continue
+    total += int(np.prod(aval.shape)) * aval.dtype.itemsize
+  return total
+
+
+def measure(quick: bool = False) -> dict[str, dict[str, float]]:
+  results: dict[str, dict[str, float]] = {}
+  for name, (build, inputs, targets) in _models(quick).items():
+    variables = build(None).init(jax.random.key(0), inputs)
+    params = variables["params"]
+    extra = {k: v for k, v in variables.items() if k != "params"}
+    f32 = residual_bytes(_loss(name, build(None)), params, extra, inputs, targets)
+    row = {"float32 MiB": f32 / 2**20}
+    variants = {
+      "hand-cast bf16": _loss(name, build(jnp.bfloat16)),
+      "autocast bf16": ols.autocast(_loss(name, build(None)), "p=f32,c=bf16,o=f32"),
+      "autocast f16": ols.autocast(_loss(name, build(None)), "p=f32,c=f16,o=f32"),
+    }
+    for variant, fun in variants.items():
+      row[variant] = residual_bytes(fun, params, extra, inputs, targets) / f32
+    results[name] = row
+  return results
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
+  parser.add_argument("--json", help="write the results to this file")
+  args = parser.parse_args()
+  results = measure(args.quick)
+  variants = [k for k in next(iter(results.values())) if k != "float32 MiB"]
+  print(f"{'saved residuals vs float32':28}" + "".join(f"{m:>14}" for m in results))
+  print(f"{'float32 (MiB)':28}" + "".join(f"{r['float32 MiB']:14.1f}" for r in results.values()))
+  for variant in variants:
+    print(f"{variant:28}" + "".join(f"{r[variant]:14.3f}" for r in results.values()))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

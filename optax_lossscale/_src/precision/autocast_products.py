@@ -1,0 +1,98 @@
+"""Matrix products and convolutions under `autocast`: 16-bit operands, float32 accumulation.
+
+Forward, a product takes its floating operands in the compute dtype,
+accumulates in float32 and returns the type the function declared
+(`preferred_element_type`: float32 for a float32 function), so nothing
+downstream sees a rounded logit, and an attention's float32 logits stay
+float32. Bound plainly, JAX would transpose such a product into backward
+products that take the float32 cotangent, running two thirds of a training
+step's matrix FLOPs in float32. Here each product is a `custom_jvp` whose
+tangent is the same product on compute-dtype operands (bilinear: one product
+per nonzero tangent): its transposes, the backward pass, take compute-dtype
+cotangents, and every matrix product of a training step runs on 16-bit
+operands. They accumulate as the backend accumulates 16-bit products
+(float32 on CPU, GPU and TPU matrix units; `tests/test_autocast.py` checks
+the CPU).
+
+Left as written: products of complex operands (a real compute dtype would
+drop the imaginary part) and of fp8 operands (an fp8 layer's own choice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import functools
+import operator
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_lossscale._src.precision import autocast_interpreter as interp
+
+
+def out_dtype(eqn: Any, compute_dtype: np.dtype) -> np.dtype:
+  """The product's result type: the declared one when wider than the compute dtype."""
+  declared = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
+  declared = np.dtype(declared)
+  if jnp.issubdtype(declared, jnp.floating) and declared.itemsize > compute_dtype.itemsize:
+    return declared
+  return compute_dtype
+
+
+def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`dot_general`, `conv_general_dilated`, `ragged_dot_general` on compute-dtype operands."""
+  floats = [v for v in invals if interp.is_float(v)]
+  if not floats or any(interp.is_complex(v) for v in floats):
+    return interp.as_written(ctx, eqn, invals)
+  if any(interp.dtype_of(v).itemsize == 1 for v in floats):
+    return interp.as_written(ctx, eqn, invals)
+  c = ctx.compute_dtype
+  params = dict(eqn.params)
+  if isinstance(params.get("precision"), (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
+    # An algorithm fixes the input types (XLA would cast ours back): drop it.
+    params["precision"] = None
+  ops = [interp.compute_copy(v, c) if interp.is_float(v) else v for v in invals]
+  result = out_dtype(eqn, c)
+  if c.itemsize >= 4:
+    return [eqn.primitive.bind(*ops, **{**params, "preferred_element_type": result})]
+  try:
+    key = tuple(sorted(params.items()))
+    hash(key)
+  except TypeError:  # an unhashable parameter: build the product uncached
+    return [_product.__wrapped__(eqn.primitive, tuple(params.items()), c, result)(*ops)]
+  return [_product(eqn.primitive, key, c, result)(*ops)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _product(
+  primitive: Any, items: tuple[tuple[str, Any], ...], c: np.dtype, result: np.dtype
+) -> Callable[..., Any]:
+  """`primitive` on compute-dtype operands: float32 accumulation forward, 16-bit backward."""
+  params = dict(items)
+
+  def product(*ops: Any, preferred: Any) -> Any:
+    return primitive.bind(*ops, **{**params, "preferred_element_type": preferred})
+
+  @jax.custom_jvp
+  def f(*ops: Any) -> Any:
+    return interp.cast(product(*ops, preferred=np.float32), result)
+
+  def f_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+    out = f(*primals)
+    terms = [
+      product(*primals[:i], t, *primals[i + 1 :], preferred=c)
+      for i, t in enumerate(tangents)
+      if interp.is_float(primals[i]) and not isinstance(t, jax.custom_derivatives.SymbolicZero)
+    ]
+    tangent = functools.reduce(operator.add, terms) if terms else jnp.zeros_like(out)
+    return out, interp.cast(tangent, result)
+
+  f.defjvp(f_jvp, symbolic_zeros=True)
+
+  def autocast_product(*ops: Any) -> Any:
+    return f(*ops)
+
+  return jax.jit(autocast_product)

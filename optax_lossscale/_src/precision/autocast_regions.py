@@ -1,0 +1,344 @@
+"""Regions: the elementwise work between two products, float32 inside, 16 bits at its edges.
+
+A fused kernel computes in float32 and reads and writes 16-bit arrays; what
+its backward pass keeps are its 16-bit inputs. `autocast` does the same on a
+jaxpr: each maximal run of consecutive equations whose rule is `float32` or
+`widest` (arithmetic, data movement, reductions: no product, no control
+flow, no kernel) becomes one region::
+
+  forward    outputs = region(inputs)                 # every op in float32
+  saved      each input that is an activation, in the compute dtype
+             (the copy a product makes of it anyway, when there is one)
+  backward   region's derivative at the saved inputs   # recomputed, as remat
+
+so reverse mode keeps 16-bit activations where it would keep float32 ones,
+while the forward values are the float32 computation's. Parameters (the
+function's arguments) are kept as they are: the caller holds them anyway.
+Statistics (sums, means, maxima and what follows from them alone) and small
+values (under `MIN_SAVED_SIZE` elements: counters, scalars) are kept exact.
+
+A region is a `custom_jvp` whose tangent is a `jax.checkpoint` of the
+region's JVP at the restored 16-bit inputs, wrapped in `jax.jit` and cached
+by the region's structure, so that the 24 identical blocks of a model are
+interpreted, differentiated and lowered once (JAX caches by jaxpr identity).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+import dataclasses
+import threading
+from typing import Any
+import weakref
+
+import jax
+import jax.extend as jex
+import numpy as np
+
+from optax_lossscale._src.precision import autocast_interpreter as interp
+from optax_lossscale._src.utils import compat
+
+Kind = interp.Kind
+
+# Values smaller than this stay as computed in the backward pass: a 16-bit
+# copy would save nothing that matters, and they are typically counters,
+# scalars and per-example statistics whose precision does matter.
+MIN_SAVED_SIZE = 1024
+
+# The reductions: their outputs are statistics.
+REDUCTIONS = frozenset({
+  "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+  "reduce_xor", "argmax", "argmin", "reduce_precision_sum",
+})  # fmt: skip
+
+# Equations whose JVP needs no primal value but integer indices: a run of only
+# these keeps nothing floating for the backward pass, so it needs no region.
+LINEAR = frozenset({
+  "add", "add_any", "sub", "neg", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+  "expand_dims", "convert_element_type", "slice", "concatenate", "pad", "rev", "copy",
+  "copy_p", "reduce_sum", "dynamic_slice", "gather", "real", "imag", "conj", "complex",
+  "split", "stop_gradient", "iota", "select_n", "eq", "ne", "lt", "gt", "le", "ge",
+  "and", "or", "not", "xor",
+})  # fmt: skip
+
+_CACHE_SIZE = 4096
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+  """One equation run by its rule."""
+
+  eqn: Any
+
+  @property
+  def invars(self) -> Sequence[Any]:
+    return self.eqn.invars
+
+  @property
+  def outvars(self) -> Sequence[Any]:
+    return self.eqn.outvars
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Region:
+  """Consecutive float32/widest equations run as one fused, remat-style call."""
+
+  eqns: tuple[Any, ...]
+  invars: tuple[Any, ...]
+  outvars: tuple[Any, ...]
+  key: Any  # the structure, hashable, or None when it cannot be cached
+  name_stack: Any
+  wrap: bool  # False: nothing floating is kept for the backward pass, run inline
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  steps: tuple[Step | Region, ...]
+  kinds: dict[Any, Kind]
+
+
+_plans: weakref.WeakKeyDictionary[Any, dict[Any, Plan]] = weakref.WeakKeyDictionary()
+_fusible_jaxprs: weakref.WeakKeyDictionary[Any, dict[Any, bool]] = weakref.WeakKeyDictionary()
+_lock = threading.RLock()
+
+
+def plan(ctx: interp.Context, jaxpr: Any, in_kinds: tuple[Kind, ...], flat: bool = False) -> Plan:
+  """The steps and value kinds of `jaxpr`, cached by its identity; `flat`: no regions."""
+  with _lock:
+    per_jaxpr = _plans.setdefault(jaxpr, {})
+    found = per_jaxpr.get((ctx, in_kinds, flat))
+    if found is None:
+      found = per_jaxpr[(ctx, in_kinds, flat)] = _plan(ctx, jaxpr, in_kinds, flat)
+    return found
+
+
+def fusible(ctx: interp.Context, eqn: Any) -> bool:
+  """Whether `eqn` may join a region: elementwise, movement or reduction work only."""
+  name = eqn.primitive.name
+  if name in ctx.fusible:
+    return not eqn.effects
+  if name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call"):
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return not eqn.effects and _fusible_body(ctx, getattr(closed, "jaxpr", closed))
+  return False
+
+
+def _fusible_body(ctx: interp.Context, jaxpr: Any) -> bool:
+  with _lock:
+    per_jaxpr = _fusible_jaxprs.setdefault(jaxpr, {})
+    if ctx not in per_jaxpr:
+      per_jaxpr[ctx] = all(fusible(ctx, e) for e in jaxpr.eqns)
+    return per_jaxpr[ctx]
+
+
+def _plan(ctx: interp.Context, jaxpr: Any, in_kinds: tuple[Kind, ...], flat: bool) -> Plan:
+  kinds = _kinds(ctx, jaxpr, in_kinds)
+  if flat or ctx.compute_dtype.itemsize >= 4:  # nothing kept in 16 bits: each eqn by its rule
+    return Plan(tuple(Step(e) for e in jaxpr.eqns), kinds)
+  last_read: dict[Any, int] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jex.core.Literal):
+        last_read[v] = i
+  end = len(jaxpr.eqns)
+  for v in jaxpr.outvars:
+    if not isinstance(v, jex.core.Literal):
+      last_read[v] = end
+  steps: list[Step | Region] = []
+  run: list[Any] = []
+
+  def close(stop: int) -> None:
+    if run:
+      steps.append(_region(run, last_read, stop))
+      run.clear()
+
+  for i, eqn in enumerate(jaxpr.eqns):
+    if fusible(ctx, eqn):
+      run.append(eqn)
+    else:
+      close(i)
+      steps.append(Step(eqn))
+  close(end)
+  return Plan(tuple(steps), kinds)
+
+
+def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region | Step:
+  defined: set[Any] = set()
+  invars: list[Any] = []
+  seen: set[Any] = set()
+  for eqn in eqns:
+    for v in eqn.invars:
+      if not isinstance(v, jex.core.Literal) and v not in defined and v not in seen:
+        seen.add(v)
+        invars.append(v)
+    defined.update(eqn.outvars)
+  outvars = tuple(
+    v for e in eqns for v in e.outvars if not isinstance(v, jex.core.DropVar)
+    and last_read.get(v, -1) >= stop
+  )  # fmt: skip
+  floating = any(interp.is_float(v.aval) for v in outvars if hasattr(v.aval, "dtype"))
+  wrap = floating and any(
+    e.primitive.name not in LINEAR or e.primitive.name in ("custom_jvp_call", "jit", "pjit")
+    for e in eqns
+  )
+  stacks = [e.source_info.name_stack for e in eqns]
+  return Region(
+    tuple(eqns), tuple(invars), outvars, _structure(eqns, invars), _common(stacks), wrap
+  )
+
+
+def _common(stacks: Sequence[Any]) -> Any:
+  """The longest common prefix of the equations' name stacks (the region's scope in HLO)."""
+  first = stacks[0]
+  n = len(first.stack)
+  for s in stacks[1:]:
+    n = min(n, len(s.stack))
+    while n and s.stack[:n] != first.stack[:n]:
+      n -= 1
+  return dataclasses.replace(first, stack=first.stack[:n])
+
+
+def _structure(eqns: Sequence[Any], invars: Sequence[Any]) -> Any:
+  """A hashable key equal for two runs that compute the same thing, or None."""
+  index = {v: i for i, v in enumerate(invars)}
+  parts: list[Any] = []
+  try:
+    for eqn in eqns:
+      if eqn.primitive.name == "custom_jvp_call":
+        return None  # its rule is a fresh thunk per call: no identity to cache by
+      refs = []
+      for v in eqn.invars:
+        if isinstance(v, jex.core.Literal):
+          refs.append(("literal", str(v.aval.dtype), np.asarray(v.val).tobytes()))
+        else:
+          refs.append(index[v])
+      for v in eqn.outvars:
+        index[v] = len(index)
+      params = tuple(sorted(eqn.params.items()))
+      part = (eqn.primitive, params, tuple(refs), len(eqn.outvars), eqn.ctx)
+      hash(part)
+      parts.append(part)
+  except (TypeError, ValueError):  # an unhashable parameter
+    return None
+  return tuple(parts)
+
+
+def _kinds(ctx: interp.Context, jaxpr: Any, in_kinds: tuple[Kind, ...]) -> dict[Any, Kind]:
+  """Every variable's kind: arguments GIVEN, reductions STAT, the rest ACT."""
+  kinds: dict[Any, Kind] = dict.fromkeys(jaxpr.constvars, Kind.GIVEN)
+  kinds.update(zip(jaxpr.invars, in_kinds, strict=True))
+  for eqn in jaxpr.eqns:
+    ins = {kinds.get(v, Kind.GIVEN) for v in eqn.invars if not isinstance(v, jex.core.Literal)}
+    if eqn.primitive.name in REDUCTIONS:
+      out = Kind.STAT
+    elif Kind.ACT in ins or not fusible(ctx, eqn):
+      out = Kind.ACT
+    elif Kind.STAT in ins:
+      out = Kind.STAT
+    else:
+      out = Kind.ACT
+    for v in eqn.outvars:
+      kinds[v] = out
+  return kinds
+
+
+# -- running a region.
+
+
+def saved_in_compute_dtype(value: Any, kind: Kind, compute_dtype: np.dtype) -> bool:
+  """Whether the backward pass keeps `value` as its compute-dtype copy."""
+  return (
+    kind is Kind.ACT
+    and interp.is_real_float(value)
+    and interp.dtype_of(value).itemsize > compute_dtype.itemsize
+    and int(np.prod(np.shape(value))) >= MIN_SAVED_SIZE
+  )
+
+
+def run(
+  ctx: interp.Context, region: Region | Step, invals: list[Any], kinds: list[Kind]
+) -> list[Any]:
+  """Evaluates a region: inline when it keeps nothing, else as its cached fused call."""
+  if not region.wrap:
+    return interp.eval_flat(ctx, region.eqns, region.invars, region.outvars, invals)
+  c = ctx.compute_dtype
+  saved = tuple(saved_in_compute_dtype(v, k, c) for v, k in zip(invals, kinds, strict=True))
+  copies = [interp.compute_copy(v, c) for v, s in zip(invals, saved, strict=True) if s]
+  fn = _fused(ctx, region, saved)
+  with compat.name_stack(region.name_stack):
+    return list(fn(*invals, *copies))
+
+
+_fused_cache: OrderedDict[Any, Any] = OrderedDict()
+
+
+def _fused(ctx: interp.Context, region: Region, saved: tuple[bool, ...]) -> Any:
+  if region.key is None:
+    return _build(ctx, region, saved)
+  key = (ctx, region.key, saved)
+  with _lock:
+    fn = _fused_cache.get(key)
+    if fn is not None:
+      _fused_cache.move_to_end(key)
+      return fn
+  fn = _build(ctx, region, saved)
+  with _lock:
+    _fused_cache[key] = fn
+    while len(_fused_cache) > _CACHE_SIZE:
+      _fused_cache.popitem(last=False)
+  return fn
+
+
+def _build(ctx: interp.Context, region: Region, saved: tuple[bool, ...]) -> Any:
+  """`jit(custom_jvp(region))`, its tangent a checkpoint at the saved 16-bit inputs."""
+  eqns, invars, outvars = region.eqns, region.invars, region.outvars
+  n = len(invars)
+
+  def body(*xs: Any) -> list[Any]:
+    return interp.eval_flat(ctx, eqns, invars, outvars, xs)
+
+  @jax.custom_jvp
+  def fused(*args: Any) -> list[Any]:
+    return body(*args[:n])
+
+  def fused_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
+    xs, copies = primals[:n], iter(primals[n:])
+    out = body(*xs)
+    diff = [
+      i for i in range(n)
+      if interp.is_float(xs[i]) and not isinstance(tangents[i], jax.custom_derivatives.SymbolicZero)
+    ]  # fmt: skip
+    kept = [next(copies) if s else x for x, s in zip(xs, saved, strict=True)]
+    dtypes = [interp.dtype_of(x) for x in xs]
+
+    def tangent(kept: list[Any], dxs: list[Any]) -> list[Any]:
+      restored = [
+        interp.cast(k, d) if s else k for k, d, s in zip(kept, dtypes, saved, strict=True)
+      ]
+
+      def partial(*d: Any) -> list[Any]:
+        full = list(restored)
+        for i, v in zip(diff, d, strict=True):
+          full[i] = v
+        return body(*full)
+
+      return jax.jvp(partial, [restored[i] for i in diff], dxs)[1]
+
+    if not diff:
+      return out, [_zero_tangent(o) for o in out]
+    dxs = [tangents[i] for i in diff]
+    return out, jax.checkpoint(tangent, prevent_cse=False)(kept, dxs)
+
+  fused.defjvp(fused_jvp, symbolic_zeros=True)
+
+  def autocast_region(*args: Any) -> list[Any]:
+    return fused(*args)
+
+  return jax.jit(autocast_region)
+
+
+def _zero_tangent(x: Any) -> Any:
+  if interp.is_float(x):
+    return jax.numpy.zeros_like(x)
+  return np.zeros(np.shape(x), jax.dtypes.float0)
