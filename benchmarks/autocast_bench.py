@@ -12,7 +12,10 @@ parameters and the same batches, in:
 * `autocast float16`: `ols.autocast(loss_fn, "p=f32,c=f16,o=f32")`, with
   `loss_scale_optimizer`;
 * `hand-cast bfloat16` and `autocast bfloat16`: the same in bfloat16, with
-  `skip_bad_steps` (bfloat16 needs no loss scale).
+  `skip_bad_steps` (bfloat16 needs no loss scale);
+* `model-dtype float16`, `model-dtype bfloat16`: the model's own Flax
+  `dtype=` (every module computes in it, float32 parameters), the peer a Flax
+  user has today.
 
 For each: the share of the step's matrix FLOPs (every `dot_general` of the
 jaxpr of the whole train step, forward and backward) whose inputs are 16-bit,
@@ -51,8 +54,10 @@ GPU_LM = {**workloads.GPU_LM, "vocab": 256}
 VARIANTS = (
   "float32",
   "hand-cast float16",
+  "model-dtype float16",
   "autocast float16",
   "hand-cast bfloat16",
+  "model-dtype bfloat16",
   "autocast bfloat16",
 )
 LEARNING_RATE = 1e-3
@@ -83,8 +88,14 @@ def _compute_dtype(name: str) -> str:
   return name.rpartition(" ")[2]  # "autocast bfloat16" -> "bfloat16"
 
 
-def make_variant(name: str, loss_fn: Callable[..., Any]) -> tuple[Any, Callable[..., Any]]:
-  """`(tx, step)` of one variant; `step(params, state, tokens) -> (params, state, loss)`."""
+def make_variant(
+  name: str, loss_fn: Callable[..., Any], model_dtype_loss: Callable[..., Any] | None = None
+) -> tuple[Any, Callable[..., Any]]:
+  """`(tx, step)` of one variant; `step(params, state, tokens) -> (params, state, loss)`.
+
+  `model_dtype_loss` is the loss of the same model built with `dtype=` the
+  variant's compute dtype (the `model-dtype` variants).
+  """
   half = jnp.dtype(_compute_dtype(name))
   policy = ols.Policy(jnp.float32, half, jnp.float32)
   if name == "float32":
@@ -98,6 +109,9 @@ def make_variant(name: str, loss_fn: Callable[..., Any]) -> tuple[Any, Callable[
     return tx, step
   if name.startswith("hand-cast"):
     loss = lambda p, tokens: loss_fn(policy.cast_to_compute(p), tokens)  # jmp's recipe
+  elif name.startswith("model-dtype"):
+    assert model_dtype_loss is not None
+    loss = model_dtype_loss
   else:
     loss = ols.autocast(loss_fn, policy)
   if half == jnp.float16:
@@ -160,8 +174,12 @@ def measure(lm: dict[str, int], steps: int, rounds: int, seed: int) -> dict[str,
   evaluate = jax.jit(lambda p: jnp.mean(jnp.stack([loss_fn(p, t) for t in held_out])))
   results: dict[str, dict[str, Any]] = {}
   steppers = {}
+  model_dtype_losses = {
+    dtype: workloads._lm_loss(workloads._lm_model(**model_kw, dtype=jnp.dtype(dtype)))
+    for dtype in ("float16", "bfloat16")
+  }
   for name in VARIANTS:
-    tx, step = make_variant(name, loss_fn)
+    tx, step = make_variant(name, loss_fn, model_dtype_losses.get(_compute_dtype(name)))
     state = tx.init(params0)
     jaxpr = jax.make_jaxpr(step)(params0, state, train[0])
     flops = matmul_flops(jaxpr)

@@ -5,8 +5,12 @@ BatchNorm CNN (4096 tokens or 32 images), the bytes of the residuals JAX saves
 for the backward pass of the loss (`jax.ad_checkpoint.saved_residuals`, the
 function's arguments left out), as a ratio of the same loss in float32:
 
-* `hand-cast bf16`: the model's own `dtype=jnp.bfloat16` (Flax's way);
+* `hand-cast bf16`, `hand-cast f16`: the model's own `dtype=` (Flax's way);
 * `autocast bf16`, `autocast f16`: the float32 model under `ols.autocast`.
+
+And how far each variant's gradients are from float32's:
+`|g - g_f32| / |g_f32|` over all parameters at once (float16 variants
+differentiate the loss times 2**15 and divide, as loss scaling does).
 
 Run: `python -m benchmarks.autocast_memory` (`--quick` for small shapes).
 """
@@ -20,12 +24,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-from jax._src import ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import optax_lossscale as ols
+from optax_lossscale._src.utils import compat
 
 
 class MLPBlocks(nn.Module):
@@ -128,28 +132,48 @@ def _loss(name: str, module: nn.Module) -> Callable[..., jax.Array]:
 def residual_bytes(fun: Callable[..., Any], *args: Any) -> int:
   """Bytes of what reverse mode saves for the backward pass, arguments left out."""
   total = 0
-  for aval, where in ad_checkpoint.saved_residuals(fun, *args):
+  for aval, where in compat.saved_residuals(fun, *args):
     if "from the argument" in where:
       continue
     total += int(np.prod(aval.shape)) * aval.dtype.itemsize
   return total
 
 
-def measure(quick: bool = False) -> dict[str, dict[str, float]]:
-  results: dict[str, dict[str, float]] = {}
+LOSS_SCALE = 2.0**15
+
+
+def gradient_error(fun: Callable[..., Any], reference: Any, *args: Any, scale: float) -> float:
+  """`|g - g_ref| / |g_ref|` over every parameter's gradient at once."""
+  grads = jax.jit(jax.grad(lambda *a: fun(*a) * scale))(*args)
+  diff = sum(
+    float(jnp.sum((g.astype(jnp.float32) / scale - r) ** 2))
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True)
+  )
+  norm = sum(float(jnp.sum(r**2)) for r in jax.tree.leaves(reference))
+  return (diff / norm) ** 0.5
+
+
+def measure(quick: bool = False) -> dict[str, dict[str, Any]]:
+  results: dict[str, dict[str, Any]] = {}
   for name, (build, inputs, targets) in _models(quick).items():
     variables = build(None).init(jax.random.key(0), inputs)
     params = variables["params"]
     extra = {k: v for k, v in variables.items() if k != "params"}
-    f32 = residual_bytes(_loss(name, build(None)), params, extra, inputs, targets)
-    row = {"float32 MiB": f32 / 2**20}
+    args = (params, extra, inputs, targets)
+    f32_loss = _loss(name, build(None))
+    f32 = residual_bytes(f32_loss, *args)
+    reference = jax.jit(jax.grad(f32_loss))(*args)
+    row: dict[str, Any] = {"float32 MiB": f32 / 2**20, "gradient error": {}}
     variants = {
       "hand-cast bf16": _loss(name, build(jnp.bfloat16)),
-      "autocast bf16": ols.autocast(_loss(name, build(None)), "p=f32,c=bf16,o=f32"),
-      "autocast f16": ols.autocast(_loss(name, build(None)), "p=f32,c=f16,o=f32"),
+      "hand-cast f16": _loss(name, build(jnp.float16)),
+      "autocast bf16": ols.autocast(f32_loss, "p=f32,c=bf16,o=f32"),
+      "autocast f16": ols.autocast(f32_loss, "p=f32,c=f16,o=f32"),
     }
     for variant, fun in variants.items():
-      row[variant] = residual_bytes(fun, params, extra, inputs, targets) / f32
+      row[variant] = residual_bytes(fun, *args) / f32
+      scale = LOSS_SCALE if variant.endswith("f16") and "bf16" not in variant else 1.0
+      row["gradient error"][variant] = gradient_error(fun, reference, *args, scale=scale)
     results[name] = row
   return results
 
@@ -160,11 +184,15 @@ def main() -> None:
   parser.add_argument("--json", help="write the results to this file")
   args = parser.parse_args()
   results = measure(args.quick)
-  variants = [k for k in next(iter(results.values())) if k != "float32 MiB"]
+  variants = list(next(iter(results.values()))["gradient error"])
   print(f"{'saved residuals vs float32':28}" + "".join(f"{m:>14}" for m in results))
   print(f"{'float32 (MiB)':28}" + "".join(f"{r['float32 MiB']:14.1f}" for r in results.values()))
   for variant in variants:
     print(f"{variant:28}" + "".join(f"{r[variant]:14.3f}" for r in results.values()))
+  print(f"\n{'gradient error vs float32':28}" + "".join(f"{m:>14}" for m in results))
+  for variant in variants:
+    errors = [r["gradient error"][variant] for r in results.values()]
+    print(f"{variant:28}" + "".join(f"{e:14.2e}" for e in errors))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(results, f, indent=2)

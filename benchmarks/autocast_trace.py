@@ -1,14 +1,20 @@
 """How long a train step takes to trace under autocast, against float32.
 
-A GPT-style LM of `--layers` unrolled Flax Linen blocks (the residual-memory
+A GPT-style LM of `--layers` Flax Linen blocks (the residual-memory
 benchmark's GPT block), its train step (`value_and_grad` of the loss, Adam)
-traced with `jax.jit(step).trace(...)`:
+traced with `jax.jit(step).trace(...)`, in two forms:
 
-* first trace: a fresh `jax.jit` of a fresh step function, each variant in
-  turn (JAX's caches of the model's inner jitted helpers warm up in the first
-  round, which is discarded);
-* re-trace: a fresh `jax.jit` of the *same* step function with the same
-  shapes, as a second `jit` wrapper or an evicted cache would trace it.
+* `unrolled`: the blocks inlined into one jaxpr (every equation interpreted);
+* `jitted blocks`: each block under `nn.jit`, as models that jit their layers
+  do (JAX caches a jitted block's jaxpr; autocast caches its interpreted one).
+
+And two moments:
+
+* `first`: the first trace in a fresh process (one subprocess per variant
+  and round);
+* `re-trace`: a new step function around the same model traced again in the
+  same process, with JAX's caches warm (what a second `jit` wrapper, a new
+  static argument or a re-run notebook cell costs).
 
 Variants interleaved per round, medians of per-round ratios. Run:
 `python -m benchmarks.autocast_trace` (`--quick` for a smoke test).
@@ -18,22 +24,43 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+import json
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.autocast_memory import GPT
+from benchmarks.autocast_memory import GPTBlock
 import optax_lossscale as ols
 
 POLICIES = {"float32": None, "autocast bf16": "p=f32,c=bf16,o=f32"}
+FORMS = ("unrolled", "jitted blocks")
 
 
-def make_step(model: GPT, policy: str | None) -> Callable[..., Any]:
+class LM(nn.Module):
+  layers: int
+  jitted: bool
+  vocab: int = 1024
+  width: int = 256
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    embed = nn.Embed(self.vocab, self.width)
+    x = embed(tokens)
+    block = nn.jit(GPTBlock) if self.jitted else GPTBlock
+    for _ in range(self.layers):
+      x = block(self.width, 4)(x)
+    return embed.attend(nn.LayerNorm()(x))
+
+
+def make_step(model: LM, policy: str | None) -> Callable[..., Any]:
   def loss(params: Any, tokens: jax.Array) -> jax.Array:
     logits = model.apply({"params": params}, tokens).astype(jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens))
@@ -49,35 +76,56 @@ def make_step(model: GPT, policy: str | None) -> Callable[..., Any]:
   return step
 
 
-def _trace_seconds(step: Callable[..., Any], *args: Any) -> float:
+def _setup(layers: int, form: str) -> tuple[LM, tuple[Any, ...]]:
+  model = LM(layers, form == "jitted blocks")
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1024, (2, 128)), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+  opt_state = jax.eval_shape(optax.adam(1e-3).init, params)
+  return model, (params, opt_state, tokens)
+
+
+def _trace_seconds(model: LM, policy: str | None, args: tuple[Any, ...]) -> float:
+  step = make_step(model, policy)  # a new function: no jit cache hit on the step itself
   start = time.perf_counter()
   jax.jit(step).trace(*args)
   return time.perf_counter() - start
 
 
-def measure(layers: int, rounds: int, width: int = 256, seq: int = 128) -> dict[str, Any]:
-  model = GPT(vocab=1024, width=width, heads=4, depth=layers)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1024, (2, seq)), jnp.int32)
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
-  opt_state = jax.eval_shape(optax.adam(1e-3).init, params)
-  first: dict[str, list[float]] = {k: [] for k in POLICIES}
-  again: dict[str, list[float]] = {k: [] for k in POLICIES}
-  for r in range(rounds + 1):
-    for name, policy in POLICIES.items():
-      step = make_step(model, policy)
-      t1 = _trace_seconds(step, params, opt_state, tokens)
-      t2 = _trace_seconds(step, params, opt_state, tokens)
-      if r:  # the first round warms JAX's own caches
-        first[name].append(t1)
-        again[name].append(t2)
-  ratio = lambda d, k: statistics.median(a / b for a, b in zip(d[k], d["float32"], strict=True))
-  out: dict[str, Any] = {"layers": layers}
-  for name in POLICIES:
-    out[name] = {
-      "first s": statistics.median(first[name]),
-      "re-trace s": statistics.median(again[name]),
-      "first x": ratio(first, name),
-      "re-trace x": ratio(again, name),
+def _first_in_fresh_process(layers: int, form: str, variant: str) -> float:
+  code = (
+    "from benchmarks.autocast_trace import _one; "
+    f"print(_one({layers}, {form!r}, {variant!r}))"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  return float(out.stdout.strip().splitlines()[-1])
+
+
+def _one(layers: int, form: str, variant: str) -> float:
+  model, args = _setup(layers, form)
+  return _trace_seconds(model, POLICIES[variant], args)
+
+
+def measure(layers: int, rounds: int) -> dict[str, Any]:
+  out: dict[str, Any] = {"layers": layers, "rounds": rounds}
+  for form in FORMS:
+    model, args = _setup(layers, form)
+    first: dict[str, list[float]] = {k: [] for k in POLICIES}
+    again: dict[str, list[float]] = {k: [] for k in POLICIES}
+    for name in POLICIES:  # warm JAX's caches of the model's helpers once
+      _trace_seconds(model, POLICIES[name], args)
+    for _ in range(rounds):
+      for name, policy in POLICIES.items():
+        first[name].append(_first_in_fresh_process(layers, form, name))
+        again[name].append(_trace_seconds(model, policy, args))
+    per_round = lambda d, k: [a / b for a, b in zip(d[k], d["float32"], strict=True)]
+    out[form] = {
+      name: {
+        "first s": statistics.median(first[name]),
+        "first x": statistics.median(per_round(first, name)),
+        "re-trace s": statistics.median(again[name]),
+        "re-trace x": statistics.median(per_round(again, name)),
+      }
+      for name in POLICIES
     }
   return out
 
@@ -87,17 +135,22 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true", help="2 layers, 1 round (a smoke test)")
   parser.add_argument("--layers", type=int, default=24)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--json", help="write the results to this file")
   args = parser.parse_args()
   layers, rounds = (2, 1) if args.quick else (args.layers, args.rounds)
   out = measure(layers, rounds)
-  print(f"train step trace, GPT with {layers} unrolled layers ({rounds} rounds, medians)")
-  print(f"{'variant':16}{'first (s)':>11}{'vs f32':>8}{'re-trace (s)':>14}{'vs f32':>8}")
-  for name in POLICIES:
-    r = out[name]
-    print(
-      f"{name:16}{r['first s']:11.2f}{r['first x']:8.2f}{r['re-trace s']:14.2f}"
-      f"{r['re-trace x']:8.2f}"
-    )
+  print(f"train step trace, GPT LM with {layers} layers ({rounds} rounds, medians)")
+  print(f"{'form':15}{'variant':15}{'first (s)':>11}{'vs f32':>8}{'re-trace (s)':>14}{'vs f32':>8}")
+  for form in FORMS:
+    for name in POLICIES:
+      r = out[form][name]
+      print(
+        f"{form:15}{name:15}{r['first s']:11.2f}{r['first x']:8.2f}{r['re-trace s']:14.2f}"
+        f"{r['re-trace x']:8.2f}"
+      )
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

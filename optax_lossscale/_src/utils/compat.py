@@ -104,3 +104,14 @@ def typeof(value: Any) -> Any:
   if hasattr(jax, "typeof"):
     return jax.typeof(value)
   return jax.core.get_aval(value)  # pragma: no cover
+
+
+def saved_residuals(fun: Any, *args: Any) -> list[tuple[Any, str]]:
+  """What reverse mode keeps of `fun(*args)` for the backward pass: `(aval, description)` pairs.
+
+  The list `jax.ad_checkpoint.print_saved_residuals` prints; private
+  (`jax._src.ad_checkpoint.saved_residuals`) in every supported release.
+  """
+  from jax._src import ad_checkpoint  # noqa: PLC0415
+
+  return ad_checkpoint.saved_residuals(fun, *args)

@@ -1,0 +1,164 @@
+"""`autocast`'s regions: float32 inside, 16 bits in what the backward pass keeps.
+
+Each fact is checked against an independent computation: residuals read with
+JAX's own `saved_residuals`, forward values and gradients against a
+hand-written float32 program whose products take rounded operands.
+"""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax_lossscale as ols
+from optax_lossscale._src.precision import autocast_regions
+from optax_lossscale._src.utils import compat
+from tests.autocast_helpers import matmul_inputs
+
+HALVES = {"bfloat16": "p=f32,c=bf16,o=f32", "float16": "p=f32,c=f16,o=f32"}
+N, D = 256, 16  # 4096 elements per activation: above MIN_SAVED_SIZE
+
+
+def residuals(fun, *args):
+  """`(dtype, shape)` of every saved residual that is not an argument."""
+  return [
+    (str(aval.dtype), tuple(aval.shape))
+    for aval, where in compat.saved_residuals(fun, *args)
+    if "from the argument" not in where
+  ]
+
+
+def block(p, x):
+  """A pre-LN residual MLP block and a squared loss, written in float32."""
+  mu = jnp.mean(x, -1, keepdims=True)
+  var = jnp.mean((x - mu) ** 2, -1, keepdims=True)
+  h = (x - mu) * lax.rsqrt(var + 1e-5) * p["g"]
+  h = jax.nn.gelu(h @ p["w1"] + p["b1"])
+  y = x + h @ p["w2"]
+  return jnp.mean(y**2)
+
+
+def block_params(seed=0):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {
+    "g": jnp.ones(D),
+    "w1": jax.random.normal(k1, (D, 4 * D)) / D**0.5,
+    "b1": jnp.zeros(4 * D),
+    "w2": jax.random.normal(k2, (4 * D, D)) / (4 * D) ** 0.5,
+  }
+
+
+X = jax.random.normal(jax.random.key(7), (N, D)) * 3 + 1
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_every_activation_the_backward_pass_keeps_is_16_bit(half):
+  f32 = residuals(block, block_params(), X)
+  assert any(d == "float32" and int(np.prod(s)) >= N * D for d, s in f32)  # float32 keeps some
+  got = residuals(ols.autocast(block, HALVES[half]), block_params(), X)
+  big = [(d, s) for d, s in got if int(np.prod(s)) >= autocast_regions.MIN_SAVED_SIZE]
+  assert big and {d for d, _ in big} == {half}, got
+  f32_bytes = sum(4 * int(np.prod(s)) for d, s in f32 if d == "float32")
+  got_bytes = sum(np.dtype(jnp.dtype(d)).itemsize * int(np.prod(s)) for d, s in got)
+  assert got_bytes < 0.5 * f32_bytes
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_forward_is_the_float32_program_with_16_bit_product_operands(half):
+  dtype = jnp.dtype(half)
+
+  def reference(p, x):  # every op in float32; a product's operands rounded, its sum float32
+    dot = lambda a, b: jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+    mu = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean((x - mu) ** 2, -1, keepdims=True)
+    h = (x - mu) * lax.rsqrt(var + 1e-5) * p["g"]
+    h = jax.nn.gelu(dot(h, p["w1"]) + p["b1"])
+    return jnp.mean((x + dot(h, p["w2"])) ** 2)
+
+  got = jax.jit(ols.autocast(block, HALVES[half]))(block_params(), X)
+  np.testing.assert_allclose(got, jax.jit(reference)(block_params(), X), rtol=1e-6)
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_gradients_are_the_region_derivative_at_the_saved_16_bit_inputs(half):
+  dtype = jnp.dtype(half)
+  x = jax.random.normal(jax.random.key(3), (N, D))
+  w = jax.random.normal(jax.random.key(4), (D, D)) / 4
+  loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
+  got = jax.grad(ols.autocast(loss, HALVES[half]))(w, x)
+  # By hand: the product's result h (float32), kept as h16; the region's derivative
+  # at h16 in float32; the backward product on 16-bit operands.
+  h16 = jnp.dot(x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+  dh = jax.grad(lambda h: jnp.sum(jnp.tanh(h) ** 2))(h16.astype(jnp.float32))
+  want = jnp.dot(x.astype(dtype).T, dh.astype(dtype), preferred_element_type=jnp.float32)
+  np.testing.assert_allclose(got, want.astype(dtype).astype(jnp.float32), rtol=1e-2, atol=1e-6)
+  # and the exact float32 gradient is within the compute dtype's rounding
+  np.testing.assert_allclose(got, jax.grad(loss)(w, x), rtol=0.05, atol=0.05 * float(jnp.max(want)))
+
+
+def test_statistics_and_small_values_stay_float32():
+  def f(w, x):
+    h = x @ w
+    ss = jnp.sum(h * h, -1, keepdims=True)  # a statistic crossing a product
+    y = h @ w
+    return jnp.sum(y / jnp.sqrt(ss) * jnp.sum(x[:3] @ w))  # a small product output
+
+  rows = 2 * autocast_regions.MIN_SAVED_SIZE  # the statistic alone is above the size threshold
+  x = jax.random.normal(jax.random.key(0), (rows, 8)) * 300  # squares overflow float16
+  w = jnp.eye(8)
+  got = residuals(ols.autocast(f, HALVES["float16"]), w, x)
+  assert ("float32", (rows, 1)) in got  # the sum of squares, exact
+  assert ("float16", (rows, 8)) in got
+  grads = jax.grad(ols.autocast(f, HALVES["bfloat16"]))(w, x)
+  np.testing.assert_allclose(grads, jax.grad(f)(w, x), rtol=2e-2, atol=1e-2 * jnp.max(grads))
+
+
+def test_identical_blocks_share_one_interpreted_region():
+  def stack(p, x, depth):
+    for _ in range(depth):
+      x = x + jnp.tanh(x @ p["w"] + p["b"]) * 0.5
+    return jnp.sum(x)
+
+  p = {"w": jnp.eye(D) / 2, "b": jnp.zeros(D)}
+  policy = "p=f32,c=bf16,o=f32"
+  counts = []
+  for depth in (4, 12):
+    autocast_regions._fused_cache.clear()
+    jax.make_jaxpr(jax.grad(ols.autocast(lambda p, x, d=depth: stack(p, x, d), policy)))(p, X)
+    counts.append(len(autocast_regions._fused_cache))
+  assert 0 < counts[0] == counts[1] < 4, counts  # the first, the middle and the last blocks
+
+
+def test_a_scanned_stack_keeps_16_bit_residuals_per_step():
+  def scanned(ws, x):
+    step = lambda h, w: (h + jnp.tanh(h @ w), None)
+    return jnp.sum(lax.scan(step, x, ws)[0] ** 2)
+
+  ws = jnp.stack([jnp.eye(D) / 2] * 4)
+  got = residuals(ols.autocast(scanned, HALVES["bfloat16"]), ws, X)
+  stacked = [(d, s) for d, s in got if s[:1] == (4,) and int(np.prod(s)) >= 4 * N * D]
+  assert stacked and {d for d, _ in stacked} == {"bfloat16"}, got
+
+
+def test_forward_mode_vmap_and_second_order_go_through_regions():
+  f = lambda w, x: jnp.sum(jax.nn.gelu(x @ w) ** 2)
+  mixed = ols.autocast(f, HALVES["float16"])
+  w, x = jnp.eye(D) / 2, X[:8]
+  t = jnp.ones_like(w)
+  np.testing.assert_allclose(
+    jax.jvp(mixed, (w, x), (t, jnp.zeros_like(x)))[1],
+    jax.jvp(f, (w, x), (t, jnp.zeros_like(x)))[1],
+    rtol=2e-2,
+  )
+  np.testing.assert_allclose(
+    jax.vmap(mixed, (None, 0))(w, x[:, None]), jax.vmap(f, (None, 0))(w, x[:, None]), rtol=2e-2
+  )
+  h = jax.hessian(lambda v: mixed(jnp.eye(D) * v, x))(0.5)
+  np.testing.assert_allclose(h, jax.hessian(lambda v: f(jnp.eye(D) * v, x))(0.5), rtol=5e-2)
+
+
+def test_every_product_of_a_training_step_keeps_16_bit_operands_through_regions():
+  mixed = ols.autocast(block, HALVES["float16"])
+  backward = jax.make_jaxpr(jax.grad(mixed))(block_params(), X)
+  assert set(matmul_inputs(backward)) == {("float16", "float16")}
