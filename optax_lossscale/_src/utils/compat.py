@@ -112,6 +112,6 @@ def saved_residuals(fun: Any, *args: Any) -> list[tuple[Any, str]]:
   The list `jax.ad_checkpoint.print_saved_residuals` prints; private
   (`jax._src.ad_checkpoint.saved_residuals`) in every supported release.
   """
-  from jax._src import ad_checkpoint  # noqa: PLC0415
+  from jax._src import ad_checkpoint
 
   return ad_checkpoint.saved_residuals(fun, *args)
