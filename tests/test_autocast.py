@@ -452,7 +452,47 @@ def test_the_guide_lists_the_rules_of_the_table():
   rows: dict[str, set[str]] = {}
   for line in page.read_text().splitlines():
     kind = line.split("|")[1].strip() if line.startswith("|") else ""
-    if kind in ("compute", "float32") and kind not in rows:  # the rule table comes first
+    if kind in ("compute", "float32", "kernels") and kind not in rows:  # the rule table first
       rows[kind] = set(re.findall(r"`(\w+)`", line.split("|")[2]))
   assert rows["compute"] == set(autocast_rules.COMPUTE)
-  assert rows["float32"] == set(autocast_rules.FLOAT32) | {"div"}
+  assert rows["float32"] == set(autocast_rules.FLOAT32)
+  assert rows["kernels"] == set(autocast_rules.KERNELS)
+
+
+def test_16_bit_weights_with_a_float32_input_run_as_torch_autocast_runs_them():
+  eqx = pytest.importorskip("equinox")
+  conv = eqx.nn.Conv2d(3, 4, 3, key=jax.random.key(0))
+  conv16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, conv)
+  x = jax.random.normal(jax.random.key(1), (3, 8, 8))
+  with pytest.raises(TypeError, match="same dtypes"):
+    conv16(x)  # as written, JAX refuses the mixed convolution
+  loss = lambda m, x: jnp.sum(m(x) ** 2)
+  mixed = ols.autocast(loss, "p=bf16,c=bf16,o=f32")
+  want = loss(jax.tree.map(lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a,
+                           conv16), x)  # fmt: skip
+  np.testing.assert_allclose(mixed(conv16, x), want, rtol=1e-2)
+  grads = eqx.filter_grad(mixed)(conv16, x)
+  assert grads.weight.dtype == jnp.bfloat16
+  assert set(matmul_inputs(jax.make_jaxpr(mixed)(conv16, x))) == {("bfloat16", "bfloat16")}
+
+
+def test_an_in_place_update_keeps_the_dtype_the_function_gave_it():
+  def step(state, w):
+    state["count"] = state["count"] + 1  # an int stays an int
+    state["half"] = state["half"] / 2  # an int leaf the function makes a float: not truncated
+    state["ema"] = 0.9 * state["ema"] + 0.1 * jnp.mean(state["x"] @ w)
+    return jnp.sum(state["x"] @ w)
+
+  state = {"count": jnp.int32(41), "half": jnp.int32(3), "ema": jnp.float32(0.0), "x": X}
+  ols.autocast(step, F16_POLICY)(state, jnp.eye(8))
+  assert state["count"].dtype == jnp.int32 and int(state["count"]) == 42
+  assert state["half"].dtype == jnp.float32 and float(state["half"]) == 1.5
+  assert state["ema"].dtype == jnp.float32
+  np.testing.assert_allclose(state["ema"], 0.1 * jnp.mean(X), rtol=1e-3)
+
+
+def test_compute_dtypes_autocast_cannot_run_are_refused():
+  with pytest.raises(ValueError, match="float64.*jax_enable_x64"):
+    ols.autocast(lambda x: x @ x.T, ols.Policy(jnp.float32, jnp.float64, jnp.float32))
+  with pytest.raises(ValueError, match="8-bit float.*fp8="):
+    ols.autocast(lambda x: x @ x.T, ols.Policy(jnp.float32, jnp.float8_e4m3fn, jnp.float32))
