@@ -233,10 +233,36 @@ def test_autocast_benchmark_counts_the_16_bit_matmul_flops():
   assert report["compute_dtypes"] == {
     "float32": "float32",
     "hand-cast float16": "float16",
+    "model-dtype float16": "float16",
     "autocast float16": "float16",
     "hand-cast bfloat16": "bfloat16",
+    "model-dtype bfloat16": "bfloat16",
     "autocast bfloat16": "bfloat16",
   }
+
+
+@pytest.mark.skipif(not _installed("flax"), reason="the models are Flax models")
+def test_autocast_memory_benchmark_reads_the_residuals_of_every_variant():
+  from benchmarks import autocast_memory
+
+  results = autocast_memory.measure(quick=True)
+  assert set(results) == {"MLP blocks", "GPT", "CNN"}
+  for row in results.values():
+    assert row["float32 MiB"] > 0
+    assert set(row["gradient error"]) == {
+      "hand-cast bf16", "hand-cast f16", "autocast bf16", "autocast f16"
+    }
+    for variant, error in row["gradient error"].items():
+      assert 0 < row[variant] < 1 and 0 < error < 0.5, (variant, row)
+
+
+@pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")
+def test_autocast_trace_benchmark_times_both_forms(capsys):
+  from benchmarks import autocast_trace
+
+  model, args = autocast_trace._setup(1, "jitted blocks")
+  for policy in autocast_trace.POLICIES.values():
+    assert autocast_trace._trace_seconds(model, policy, args) > 0
 
 
 def test_low_precision_benchmark_measures_every_variant(capsys):
