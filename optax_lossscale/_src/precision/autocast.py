@@ -28,6 +28,7 @@ import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
 from optax_lossscale._src.precision import autocast_rules
+from optax_lossscale._src.precision import fp8_product as fp8_lib  # fp8 hook
 from optax_lossscale._src.precision import policy as policy_lib
 
 
@@ -63,6 +64,7 @@ def autocast(
   policy: policy_lib.Policy | str,
   *,
   rules: Mapping[str, str] | None = None,
+  fp8: str | None = None,
 ) -> Callable[..., Any]:
   """Returns `fun` running in mixed precision, the dtype of every op decided on its jaxpr.
 
@@ -108,6 +110,11 @@ def autocast(
     policy: a `Policy`, or a string `get_policy` reads, e.g.
       `'p=f32,c=f16,o=f32'` (compute in float16, return float32).
     rules: extra or overriding entries of the table, primitive name to kind.
+    fp8: None, or 'tensorwise' or 'rowwise': every matrix product
+      (`dot_general`) big enough to profit runs on fp8 operands with float32
+      accumulation, forward (`float8_e4m3fn`) and backward (the gradient in
+      `float8_e5m2`), each operand scaled by its current amax, one scale per
+      tensor or one power-of-two scale per row (docs/guides/fp8_autocast.md).
 
   Returns:
     A function with `fun`'s signature.
@@ -139,10 +146,13 @@ def autocast(
       "policy must be an ols.Policy or a policy string such as 'p=f32,c=f16,o=f32'; got"
       f" {type(policy).__name__}."
     )
+  if fp8 is not None and fp8 not in fp8_lib.RECIPES:  # fp8 hook
+    raise ValueError(f"fp8 must be None or one of {fp8_lib.RECIPES}; got {fp8!r}.")
   policy = policy_lib.get_policy(policy)
   ctx = interp.Context(
     compute_dtype=policy.compute_dtype,
     rules={**autocast_rules.RULES, **_check_rules(rules)},
+    fp8=fp8,  # fp8 hook
   )
 
   @functools.wraps(fun)

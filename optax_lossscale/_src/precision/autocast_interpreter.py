@@ -32,6 +32,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._src.precision import fp8_product  # fp8 hook
 from optax_lossscale._src.utils import compat
 
 # `(ctx, eqn, invals) -> outvals` (a list, also for single-result primitives).
@@ -63,10 +64,11 @@ class UnknownPrimitiveError(NotImplementedError):
 
 @dataclasses.dataclass(frozen=True)
 class Context:
-  """What the rules need: the compute dtype and the table of rules."""
+  """What the rules need: the compute dtype, the table of rules and the fp8 recipe (or None)."""
 
   compute_dtype: np.dtype
   rules: Mapping[str, Rule]
+  fp8: str | None = None  # fp8 hook: 'tensorwise', 'rowwise' or None
 
   def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Evaluates an open `jaxpr` with the rules."""
@@ -214,6 +216,13 @@ def compute(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
   fp8 inputs are the function's own choice (an fp8 layer quantizes its
   operands and says how to accumulate): such a product is left as written.
   """
+  if ctx.fp8 is not None and eqn.primitive.name == "dot_general":  # fp8 hook
+    dims, c = eqn.params["dimension_numbers"], ctx.compute_dtype  # fp8 hook
+    if fp8_product.eligible(*invals, dims, recipe=ctx.fp8):  # fp8 hook
+      out = fp8_product.fp8_dot_general(  # fp8 hook
+        *invals, dimension_numbers=dims, recipe=ctx.fp8, compute_dtype=c, out_dtype=c
+      )  # fp8 hook
+      return [out]  # fp8 hook
   floats = [v for v in invals if is_float(v)]
   if not floats:
     return bind(eqn, invals)
