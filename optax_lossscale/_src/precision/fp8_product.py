@@ -145,9 +145,9 @@ def eligible(
 def _scale(amax: jax.Array, fp8_max: float, power_of_two: bool) -> jax.Array:
   """`fp8_max / amax` in float32; 1 where amax is 0, NaN where it is not finite."""
   scale = fp8_max / jnp.maximum(amax, fp8_max / _SCALE_LIMIT)
-  if power_of_two:  # round down to 2**e, exactly: x * scale and its inverse lose nothing
-    _, exponent = jnp.frexp(scale)
-    scale = jnp.ldexp(jnp.ones_like(scale), exponent - 1)
+  if power_of_two:  # down to 2**e (the mantissa bits cleared): x * scale and 1 / scale are exact
+    bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0x7F800000)
+    scale = lax.bitcast_convert_type(bits, jnp.float32)
   scale = lax.select(amax == 0, jnp.ones_like(scale), scale)
   return lax.select(jnp.isfinite(amax), scale, jnp.full_like(scale, jnp.nan))
 
