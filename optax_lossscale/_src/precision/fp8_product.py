@@ -59,9 +59,9 @@ FP8_FLOPS = 1200e12
 MEMORY_BYTES_PER_S = 3.35e12
 SCALING_BYTES = 8.0
 
-# The smallest amax a scale is computed from: keeps the scale and its inverse
-# finite and normal in float32 (a tensor below this is quantized as if it were
-# this large, i.e. to zeros).
+# The largest scale, about 2**120 (an amax below max_f / 2**120 counts as that
+# small): the scale and its inverse stay finite and normal in float32, and so
+# tiny a tensor quantizes to zeros anyway.
 _SCALE_LIMIT = 2.0**120
 
 _forced = False
