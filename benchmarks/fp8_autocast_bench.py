@@ -323,7 +323,9 @@ LM_VARIANTS = (
 )
 
 
-def measure_lm(lm: dict[str, int], rounds: int, calls: int) -> dict[str, Any]:
+def measure_lm(
+  lm: dict[str, int], rounds: int, calls: int, variants: tuple[str, ...] = LM_VARIANTS
+) -> dict[str, Any]:
   model_kw = {k: v for k, v in lm.items() if k != "batch"}
   tokens = workloads._lm_tokens(vocab=lm["vocab"], seq=lm["seq"], batch=lm["batch"])
   float32_model = workloads._lm_model(**model_kw, dtype=None)
@@ -333,7 +335,7 @@ def measure_lm(lm: dict[str, int], rounds: int, calls: int) -> dict[str, Any]:
   state = tx.init(params)
   results = {}
   steps = {}
-  for name in LM_VARIANTS:
+  for name in variants:
     if name == "bare bfloat16":
       loss = workloads._lm_loss(bf16_model)  # the model's own dtype: params cast in its modules
     else:
@@ -356,19 +358,22 @@ def measure_lm(lm: dict[str, int], rounds: int, calls: int) -> dict[str, Any]:
   ms = _timed(
     {name: (lambda c=c: c(params, state, tokens)) for name, c in steps.items()}, rounds, calls
   )
-  for name in LM_VARIANTS:
+  for name in variants:
     results[name]["ms"] = ms[name]
     results[name]["ratio"] = ms[name] / ms["bare bfloat16"]
   return {"lm": lm, "params": workloads.num_params(params), "variants": results}
 
 
 def measure_speed(quick: bool) -> dict[str, Any]:
-  if quick:  # the code path only: tiny shapes
+  if quick:  # the code paths only: tiny shapes, each kind of LM variant once
     shapes, lm, rounds, calls = ((64, 32, 48),), QUICK_LM, 1, 1
+    variants = ("bare bfloat16", "fp8 rowwise", "fp8 tensorwise, every product")
   else:
     shapes, lm, rounds, calls = (GEMM, *SWEEP), workloads.GPU_LM, 7, 10
+    variants = LM_VARIANTS
   gemms = measure_gemms(shapes, rounds, calls)
-  return {"kind": "speed", "meta": _meta(), "gemms": gemms, "lm": measure_lm(lm, rounds, calls)}
+  lm_report = measure_lm(lm, rounds, calls, variants)
+  return {"kind": "speed", "meta": _meta(), "gemms": gemms, "lm": lm_report}
 
 
 def _meta() -> dict[str, Any]:

@@ -254,10 +254,10 @@ def test_fp8_autocast_benchmark_trains_and_times_every_variant():
   (gemm,) = speed["gemms"]
   assert set(gemm["ms"]) == set(gemm["f8_gemms"]) and len(gemm["ms"]) == 6
   lm = speed["lm"]["variants"]
-  assert list(lm) == list(bench.LM_VARIANTS) and lm["bare bfloat16"]["ratio"] == 1.0
+  assert lm["bare bfloat16"]["ratio"] == 1.0 and all(r["ms"] > 0 for r in lm.values())
   # the tiny LM is below the cost model: only the forced row runs fp8
   shares = {name: r["fp8_flop_share"] for name, r in lm.items()}
-  assert shares == {**dict.fromkeys(bench.LM_VARIANTS, 0.0), "fp8 tensorwise, every product": 1.0}
+  assert shares == {"bare bfloat16": 0, "fp8 rowwise": 0, "fp8 tensorwise, every product": 1}
   if jax.default_backend() == "cpu":  # no cuBLASLt here
     assert all(r["f8_gemms"] == 0 for r in lm.values())
 
