@@ -199,7 +199,9 @@ def hlo_graph(text):
     match = _LINE.match(line)
     if match:
       name, dtype, shape, opcode, args = match.groups()
-      operands = [a.strip() for a in args.split(",") if a.strip()]
+      # an operand is its name, or (older XLA) its type then its name: "f32[2,3]{1,0} %a"
+      args = re.sub(r"\[[^\]]*\]|\{[^}]*\}", "", args)
+      operands = [a.split()[-1] for a in args.split(",") if a.strip()]
       nodes[name] = (dtype, len(shape.split(",")) if shape else 0, opcode, operands)
       for a in operands:
         users[a].append(name)
