@@ -12,12 +12,15 @@
 # the finiteness-read floor (--gpu-size); then the bfloat16-parameter benchmark
 # (benchmarks/low_precision_params.py: final loss, bytes per parameter and step
 # time of master weights, stochastic rounding and Kahan against plain bfloat16),
-# and autocast against hand casts on the 186M LM (benchmarks/autocast_bench.py).
+# autocast against hand casts on the 186M LM (benchmarks/autocast_bench.py),
+# and fp8 autocast (benchmarks/fp8_autocast_bench.py --gpu: single GEMMs up to
+# 4096x8192x16384 and the 186M LM step, bare bfloat16 vs autocast bfloat16 vs
+# fp8 tensorwise/rowwise, with the count of cuBLASLt fp8 GEMMs XLA emitted).
 # Writes gpu.json/png, gpu-cmdbuf.json/png, gpu-large.json, BENCHMARKS-gpu.md
 # (three result blocks), dispatch.txt (Python per dispatched call),
-# low_precision_params-gpu.json/md and autocast.json/md into OUT_DIR.
-# PARTS picks some of "default cmdbuf large dispatch lowprec autocast" (each under 10
-# minutes).
+# low_precision_params-gpu.json/md, autocast.json/md and fp8.json/md into OUT_DIR.
+# PARTS picks some of "default cmdbuf large dispatch lowprec autocast fp8" (each under
+# 10 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${1:-${OUT:-benchmarks/results}}"
@@ -31,7 +34,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -c "import jax; print(jax.devices())"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 md="$out_dir/BENCHMARKS-gpu.md"
-for part in ${PARTS:-default cmdbuf large dispatch lowprec autocast}; do
+for part in ${PARTS:-default cmdbuf large dispatch lowprec autocast fp8}; do
   case "$part" in
     default) "$py" -m benchmarks.run --out "$out_dir" --markdown "$md" --gpu-size \
       --only optimizer,train,skip "${@:2}" ;;
@@ -46,6 +49,9 @@ for part in ${PARTS:-default cmdbuf large dispatch lowprec autocast}; do
     autocast) "$py" -m benchmarks.autocast_bench --gpu-size --steps 100 \
       --out "$out_dir/autocast.json" | tee "$out_dir/autocast.md" ;;
     lowprec) "$py" -m benchmarks.low_precision_params --out "$out_dir" ;;
-    *) echo "unknown part $part (default, cmdbuf, large, dispatch, lowprec, autocast)" >&2; exit 2 ;;
+    fp8) "$py" -m benchmarks.fp8_autocast_bench --gpu --out "$out_dir/fp8.json" \
+      | tee "$out_dir/fp8.md" ;;
+    *) echo "unknown part $part (default, cmdbuf, large, dispatch, lowprec, autocast, fp8)" >&2
+      exit 2 ;;
   esac
 done

@@ -492,7 +492,7 @@ def test_an_in_place_update_keeps_the_dtype_the_function_gave_it():
 
 
 def test_compute_dtypes_autocast_cannot_run_are_refused():
-  with pytest.raises(ValueError, match="float64.*jax_enable_x64"):
+  with pytest.raises(ValueError, match=r"float64.*jax_enable_x64"):
     ols.autocast(lambda x: x @ x.T, ols.Policy(jnp.float32, jnp.float64, jnp.float32))
-  with pytest.raises(ValueError, match="8-bit float.*fp8="):
+  with pytest.raises(ValueError, match=r"8-bit float.*fp8="):
     ols.autocast(lambda x: x @ x.T, ols.Policy(jnp.float32, jnp.float8_e4m3fn, jnp.float32))

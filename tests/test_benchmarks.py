@@ -265,6 +265,29 @@ def test_autocast_trace_benchmark_times_both_forms(capsys):
     assert autocast_trace._trace_seconds(model, policy, args) > 0
 
 
+@pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")
+def test_fp8_autocast_benchmark_trains_and_times_every_variant():
+  from benchmarks import fp8_autocast_bench as bench
+
+  report = bench.main(["--quick", "--only", "regression"])
+  (workload,) = report["workloads"]
+  rows = workload["results"]
+  assert list(rows) == list(bench.VARIANTS)
+  assert all(r["finite"] and r["skipped"] == 0 for r in rows.values())
+  # every product of the regression is fp8 in the fp8 rows (the cost model lifted), none elsewhere
+  assert [r["fp8_flop_share"] for r in rows.values()] == [0.0, 0.0, 1.0, 1.0]
+  speed = bench.main(["--gpu", "--quick"])
+  (gemm,) = speed["gemms"]
+  assert set(gemm["ms"]) == set(gemm["f8_gemms"]) and len(gemm["ms"]) == 6
+  lm = speed["lm"]["variants"]
+  assert lm["bare bfloat16"]["ratio"] == 1.0 and all(r["ms"] > 0 for r in lm.values())
+  # the tiny LM is below the cost model: only the forced row runs fp8
+  shares = {name: r["fp8_flop_share"] for name, r in lm.items()}
+  assert shares == {"bare bfloat16": 0, "fp8 rowwise": 0, "fp8 tensorwise, every product": 1}
+  if jax.default_backend() == "cpu":  # no cuBLASLt here
+    assert all(r["f8_gemms"] == 0 for r in lm.values())
+
+
 def test_low_precision_benchmark_measures_every_variant(capsys):
   from benchmarks import low_precision_params as lpp
 

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
-from optax_lossscale._src.precision import autocast_rules
+from optax_lossscale._src.precision import autocast_rules, fp8_product
 from optax_lossscale._src.precision import policy as policy_lib
 
 
@@ -62,14 +62,16 @@ def _check_compute_dtype(dtype: np.dtype) -> None:
     )
 
 
-def make_context(compute_dtype: Any, rules: Mapping[str, str] | None) -> interp.Context:
-  """The interpreter's context for a compute dtype and the user's extra rules."""
+def make_context(
+  compute_dtype: Any, rules: Mapping[str, str] | None, fp8: str | None = None
+) -> interp.Context:
+  """The interpreter's context for a compute dtype, the user's extra rules and an fp8 recipe."""
   extra = _check_rules(rules)
   table = {**autocast_rules.RULES, **{n: autocast_rules.KINDS[k] for n, k in extra.items()}}
-  fusible = set(autocast_rules.FUSIBLE)
-  for name, kind in extra.items():
-    (fusible.add if kind in ("float32", "widest") else fusible.discard)(name)
-  return interp.Context(np.dtype(compute_dtype), table, frozenset(fusible))
+  # A primitive given a rule by the user is a region boundary: it may have no
+  # JVP or lowering rule (a region is differentiated and compiled as a whole).
+  fusible = set(autocast_rules.FUSIBLE) - set(extra)
+  return interp.Context(np.dtype(compute_dtype), table, frozenset(fusible), fp8)
 
 
 def _is_array(x: Any) -> bool:
@@ -81,33 +83,40 @@ def autocast(
   policy: policy_lib.Policy | str,
   *,
   rules: Mapping[str, str] | None = None,
+  fp8: str | None = None,
 ) -> Callable[..., Any]:
   """Returns `fun` running in mixed precision, the dtype of every op decided on its jaxpr.
 
-  Write the function in float32; `autocast` picks, per primitive of its jaxpr:
+  Write the function in float32; `autocast` picks, per primitive of its jaxpr,
+the way a fused kernel computes (float32 inside, 16 bits at its edges):
 
   - matrix products and convolutions (`dot_general`, `conv_general_dilated`,
-    `ragged_dot_general`) take their floating inputs in the policy's compute
-    dtype and accumulate in float32; in the backward pass too (under
-    `jax.grad` of the returned function), where JAX alone would run them in
-    float32;
-  - overflow- and precision-prone ops (`exp`, `log`, `log1p`, `expm1`,
-    `logistic`, `pow`, `square`, `rsqrt`, sums and products over many
-    elements, the statistics of normalisation and softmax) compute in float32;
-  - every other op follows its inputs' widest floating dtype, so no primitive
-    receives mismatched dtypes; integer, boolean and key work is untouched.
+    `ragged_dot_general`) take their floating operands in the policy's
+    compute dtype, accumulate in float32 and return the type the function
+    declared (float32); in the backward pass too (under `jax.grad` of the
+    returned function), where JAX alone would run them in float32;
+  - every op that rounds (arithmetic, `exp`, `log`, sums, the statistics of
+    normalisation and softmax, the losses) computes in float32;
+  - exact ops (data movement, comparisons, `max`, `select`) keep their
+    inputs' widest floating dtype; integer, boolean and key work is
+    untouched; complex values are never cast to a real dtype;
+  - what the backward pass keeps of the activations is their 16-bit copy:
+    each run of elementwise work between two products is a region whose
+    backward pass recomputes from its 16-bit inputs (parameters,
+    statistics and small values are kept exact).
 
-  The floating outputs are cast to the policy's output dtype. Parameters are
-  not cast (store them in `param_dtype` yourself, e.g. `policy.cast_to_param`);
-  a product casts them where they are used, so with float32 params the
-  gradients are float32. Explicit casts in `fun` are kept; fp8 products (an
-  fp8 layer's own) run as written.
+  The real floating outputs are cast to the policy's output dtype. Parameters
+  are not cast (store them in `param_dtype` yourself, e.g.
+  `policy.cast_to_param`); a product casts them where they are used, so with
+  float32 params the gradients are float32. Explicit casts in `fun` are kept;
+  fp8 products (an fp8 layer's own) run as written.
 
-  It goes through `jit` (inlined), `jax.checkpoint` (the same policy),
-  `cond`/`switch`, `while_loop` and `scan` (a loop carry keeps one dtype, the
-  wider of what enters and what the body returns), `custom_jvp` (the body is
-  cast, the rule kept and cast alike), `custom_vjp` (run as written, body and
-  rules) and `shard_map`, and composes with `jit`, `grad`, `vmap` and
+  It goes through `jit` (a sub-program with products stays a cached `jit`),
+  `jax.checkpoint` (the same policy), `cond`/`switch`, `while_loop` and `scan`
+  (a loop carry keeps one dtype, the wider of what enters and what the body
+  returns), `custom_jvp` (the body is interpreted, the rule kept and
+  interpreted alike), `custom_vjp` (run as written, body and rules) and
+  `shard_map`, and composes with `jit`, `grad`, `vmap`, `jvp` and
   `ols.value_and_grad`. A primitive without a rule raises an
   `UnknownPrimitiveError` naming it; `rules={'name': kind}` supplies one,
   kind one of 'compute', 'float32', 'widest', 'as_written', 'independent'.
@@ -115,7 +124,10 @@ def autocast(
   Arrays among the arguments (any pytree leaf that is a JAX or NumPy array)
   are traced; other leaves (Python numbers, strings, config objects) are
   static. A mutable argument that `fun` updates in place (an NNX module's
-  BatchNorm statistics or RNG counts) is updated in the caller's object.
+  BatchNorm statistics or RNG counts) is updated in the caller's object, in
+  the dtype `fun` gave it. A function that does not trace as written because
+  16-bit arguments meet float32 ones (16-bit Equinox weights, float32 data)
+  is traced with those arguments as float32 and run on the 16-bit values.
 
   The work happens when `fun` is traced; under `jit` the compiled function
   runs none of this package's Python. Called eagerly, `fun` is traced on every
@@ -126,6 +138,11 @@ def autocast(
     policy: a `Policy`, or a string `get_policy` reads, e.g.
       `'p=f32,c=f16,o=f32'` (compute in float16, return float32).
     rules: extra or overriding entries of the table, primitive name to kind.
+    fp8: None, or 'tensorwise' or 'rowwise': every matrix product
+      (`dot_general`) big enough to profit runs on fp8 operands with float32
+      accumulation, forward (`float8_e4m3fn`) and backward (the gradient in
+      `float8_e5m2`), each operand scaled by its current amax, one scale per
+      tensor or one power-of-two scale per row (docs/guides/fp8_autocast.md).
 
   Returns:
     A function with `fun`'s signature.
@@ -139,10 +156,10 @@ def autocast(
     >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
     >>> mixed(w, x).dtype
     dtype('float32')
-    >>> jaxpr = jax.make_jaxpr(jax.grad(mixed))(w, x)
-    >>> sorted({str(v.aval.dtype) for e in jaxpr.eqns if e.primitive.name == 'dot_general'
-    ...         for v in e.invars})
-    ['float16']
+    >>> import re  # the operands of every product, forward and backward:
+    >>> hlo = jax.jit(jax.grad(mixed)).lower(w, x).as_text()
+    >>> re.findall(r'dot_general.*\((tensor<[^)]*)\) ->', hlo)
+    ['tensor<2x4xf16>, tensor<4x3xf16>', 'tensor<2x3xf16>, tensor<2x4xf16>']
 
   References:
     PyTorch, "Automatic Mixed Precision package - torch.amp",
@@ -157,9 +174,11 @@ def autocast(
       "policy must be an ols.Policy or a policy string such as 'p=f32,c=f16,o=f32'; got"
       f" {type(policy).__name__}."
     )
+  if fp8 is not None and fp8 not in fp8_product.RECIPES:
+    raise ValueError(f"fp8 must be None or one of {fp8_product.RECIPES}; got {fp8!r}.")
   policy = policy_lib.get_policy(policy)
   _check_compute_dtype(np.dtype(policy.compute_dtype))
-  ctx = make_context(policy.compute_dtype, rules)
+  ctx = make_context(policy.compute_dtype, rules, fp8)
 
   @functools.wraps(fun)
   def mixed(*args: Any, **kwargs: Any) -> Any:

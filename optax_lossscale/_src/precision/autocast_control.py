@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
+from optax_lossscale._src.precision import fp8_product
 from optax_lossscale._src.utils import compat
 
 Kind = interp.Kind
@@ -66,7 +67,7 @@ def jit(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   if interp.in_region():
     return ctx.eval_closed(closed, invals, kinds)
   avals = tuple(compat.typeof(v) for v in invals)
-  key = (ctx, avals, tuple(kinds))
+  key = (ctx, avals, tuple(kinds), fp8_product.forced())
   with _jit_lock:
     found = _jit_cache.setdefault(closed, {}).get(key)
   if found is None:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
+from optax_lossscale._src.precision import fp8_product
 
 
 def out_dtype(eqn: Any, compute_dtype: np.dtype) -> np.dtype:
@@ -43,13 +44,24 @@ def out_dtype(eqn: Any, compute_dtype: np.dtype) -> np.dtype:
 
 
 def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
-  """`dot_general`, `conv_general_dilated`, `ragged_dot_general` on compute-dtype operands."""
+  """`dot_general`, `conv_general_dilated`, `ragged_dot_general` on compute-dtype operands.
+
+  With `autocast(..., fp8=recipe)`, an eligible `dot_general` runs on fp8
+  operands instead (`fp8_product`).
+  """
+  c = ctx.compute_dtype
+  if ctx.fp8 is not None and eqn.primitive.name == "dot_general":
+    dims = eqn.params["dimension_numbers"]
+    if fp8_product.eligible(*invals, dims, recipe=ctx.fp8):
+      out = fp8_product.fp8_dot_general(
+        *invals, dimension_numbers=dims, recipe=ctx.fp8, compute_dtype=c, out_dtype=c
+      )
+      return [interp.cast(out, out_dtype(eqn, c))]
   floats = [v for v in invals if interp.is_float(v)]
   if not floats or any(interp.is_complex(v) for v in floats):
     return interp.as_written(ctx, eqn, invals)
   if any(interp.dtype_of(v).itemsize == 1 for v in floats):
     return interp.as_written(ctx, eqn, invals)
-  c = ctx.compute_dtype
   params = dict(eqn.params)
   if isinstance(params.get("precision"), (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
     # An algorithm fixes the input types (XLA would cast ours back): drop it.

@@ -1,0 +1,344 @@
+"""fp8 matrix products with current scaling, forward and backward: `autocast(..., fp8=recipe)`.
+
+Each product `dot_general(lhs, rhs)` that `eligible` accepts runs as three
+fp8 products with float32 accumulation, torchao's recipes in JAX::
+
+  forward   out      = (q(lhs, e4m3) . q(rhs, e4m3))          * (1/s_lhs * 1/s_rhs)
+  backward  grad_lhs = (q(g, e5m2)   . q(rhs, e4m3))^T        * (1/s_g   * 1/s_rhs)
+            grad_rhs = (q(lhs, e4m3) . q(g, e5m2))^T          * (1/s_lhs * 1/s_g)
+
+  q(x, f) = convert(clamp(x * s, -max_f, max_f), f),  s = max_f / amax(x)   (float32)
+
+The scales are *current*: computed from the operand's own amax in the same
+step, so the product has no state. 'tensorwise' takes one scale per tensor
+(the forward's quantized operands are what the backward reads: the residuals
+are 1 byte per element); 'rowwise' one power-of-two scale per row or column
+along the dimensions each product does not contract (so the backward
+re-quantizes its operands along their other dimensions, from residuals kept
+in the compute dtype). A zero amax gives the scale 1; a non-finite amax
+(an inf or NaN operand) makes the product NaN, never a clipped finite value.
+
+The lowered program is the one XLA's GPU GEMM rewriter turns into a cuBLASLt
+fp8 GEMM: a dot whose operands are fp8 (converts of clamped, scaled float32
+tensors) with float32 output, multiplied by a scalar (tensorwise: fused as the
+GEMM's output scale; rowwise: a vector rescale after it). On CPU XLA executes
+the same program by upcasting, so the numerics are those of a GPU run up to
+the order of the float32 sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+import contextlib
+import functools
+import math
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+RECIPES = ("tensorwise", "rowwise")
+FORWARD = jnp.float8_e4m3fn  # activations and weights: precision (3 mantissa bits)
+GRADIENT = jnp.float8_e5m2  # the incoming gradient: range (5 exponent bits)
+
+# Below 16 a dimension is padded to 16 by cuBLASLt's fp8 GEMM (XLA's rewriter
+# pads it), and such a product is too small to profit anyway.
+MIN_DIMENSION = 16
+
+# The cost model of `predicted_speedup`, an H100's: achieved (not peak) GEMM
+# rates and the extra memory traffic of current scaling per quantized element
+# (an amax pass and a quantize pass over a 16- or 32-bit tensor, the fp8 write).
+# Fitted to torchao's two published H100 measurements of a float8 linear
+# against bfloat16, forward and backward (M, K, N = 1024, 2048, 1024: x0.80;
+# 4096, 8192, 16384: x1.39); this model gives x0.79 and x1.42. Unmeasured with
+# XLA: `benchmarks/fp8_autocast_bench.py --gpu` prints it beside the timings.
+BF16_FLOPS = 700e12
+FP8_FLOPS = 1200e12
+MEMORY_BYTES_PER_S = 3.35e12
+SCALING_BYTES = 8.0
+
+# The largest scale, about 2**120 (an amax below max_f / 2**120 counts as that
+# small): the scale and its inverse stay finite and normal in float32, and so
+# tiny a tensor quantizes to zeros anyway.
+_SCALE_LIMIT = 2.0**120
+
+_forced = False
+
+
+@contextlib.contextmanager
+def every_product() -> Iterator[None]:
+  """Within it, a product is eligible whatever `predicted_speedup` says (dimensions >= 16).
+
+  For numerics on small models (every CPU study of the benchmarks): the
+  model of speed only ever leaves small products in the compute dtype. Acts
+  when the function is traced.
+  """
+  global _forced
+  before, _forced = _forced, True
+  try:
+    yield
+  finally:
+    _forced = before
+
+
+def forced() -> bool:
+  """Whether `every_product()` is on (part of what a cached interpretation depends on)."""
+  return _forced
+
+
+def product_dims(
+  lhs_shape: Sequence[int], rhs_shape: Sequence[int], dimension_numbers: Any
+) -> tuple[int, int, int, int]:
+  """`(batch, m, n, k)`: the batch size and the sizes of one matrix product of `dot_general`."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  m = math.prod(lhs_shape[i] for i in _free(len(lhs_shape), lc, lb))
+  n = math.prod(rhs_shape[i] for i in _free(len(rhs_shape), rc, rb))
+  return math.prod(lhs_shape[i] for i in lb), m, n, math.prod(lhs_shape[i] for i in lc)
+
+
+def predicted_speedup(m: int, n: int, k: int, recipe: str = "tensorwise") -> float:
+  """Time of the three bfloat16 products of a training step over their fp8 time (the model).
+
+  Each product is bound by its arithmetic or its memory traffic, whichever is
+  slower; fp8 halves the operand bytes and doubles the rate, and current
+  scaling adds `SCALING_BYTES` per quantized element: the two operands and
+  the gradient once each ('tensorwise': the backward reuses the forward's fp8
+  operands), twice each ('rowwise': each product scales along its own axes).
+  The batch size cancels.
+  """
+  flops = 2.0 * m * n * k
+  elements = m * k + k * n + m * n
+  bf16 = max(flops / BF16_FLOPS, 2.0 * elements / MEMORY_BYTES_PER_S)
+  fp8 = max(flops / FP8_FLOPS, (m * k + k * n + 2.0 * m * n) / MEMORY_BYTES_PER_S)
+  quantized = elements * (1 if recipe == "tensorwise" else 2)
+  return 3 * bf16 / (3 * fp8 + SCALING_BYTES * quantized / MEMORY_BYTES_PER_S)
+
+
+def _is_eligible_dtype(dtype: Any) -> bool:
+  dtype = np.dtype(dtype)
+  return dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
+
+
+def eligible(
+  lhs_aval: Any, rhs_aval: Any, dimension_numbers: Any, recipe: str = "tensorwise"
+) -> bool:
+  """Whether `dot_general(lhs, rhs)` runs in fp8: floating operands, big enough to profit.
+
+  Both operands 16- or 32-bit floating (an fp8 operand is the function's own
+  quantization, a complex or integer one is never fp8), every dimension of the
+  matrix product (m, n, k; batch dimensions are allowed) at least 16, and
+  `predicted_speedup` above 1 (within `every_product()`: whatever it is).
+  Convolutions are never fp8: they stay in the compute dtype.
+  """
+  for aval in (lhs_aval, rhs_aval):
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+      return False
+    if not _is_eligible_dtype(dtype):
+      return False
+  _, m, n, k = product_dims(lhs_aval.shape, rhs_aval.shape, dimension_numbers)
+  if min(m, n, k) < MIN_DIMENSION:
+    return False
+  return _forced or predicted_speedup(m, n, k, recipe) > 1.0
+
+
+# -- quantization.
+
+
+def _scale(amax: jax.Array, fp8_max: float, power_of_two: bool) -> jax.Array:
+  """`fp8_max / amax` in float32; 1 where amax is 0, NaN where it is not finite."""
+  scale = fp8_max / jnp.maximum(amax, fp8_max / _SCALE_LIMIT)
+  if power_of_two:  # down to 2**e (the mantissa bits cleared): x * scale and 1 / scale are exact
+    bits = lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0x7F800000)
+    scale = lax.bitcast_convert_type(bits, jnp.float32)
+  scale = lax.select(amax == 0, jnp.ones_like(scale), scale)
+  return lax.select(jnp.isfinite(amax), scale, jnp.full_like(scale, jnp.nan))
+
+
+def quantize(
+  x: jax.Array, fmt: Any, recipe: str, contracting: Sequence[int]
+) -> tuple[jax.Array, jax.Array]:
+  """`(q, inverse_scale)`: `x` in fp8 format `fmt`, scaled by its current amax.
+
+  'tensorwise': one scale (shape `()`); 'rowwise': one power-of-two scale per
+  index of the dimensions not in `contracting` (the amax is taken over the
+  contracting dimensions; shape of `x` with those set to 1).
+  """
+  fp8_max = float(jnp.finfo(fmt).max)
+  x32 = x.astype(jnp.float32)
+  if recipe == "tensorwise":
+    amax = jnp.max(jnp.abs(x32))
+  else:
+    amax = jnp.max(jnp.abs(x32), axis=tuple(contracting), keepdims=True)
+  scale = _scale(amax, fp8_max, power_of_two=recipe == "rowwise")
+  q = lax.convert_element_type(lax.clamp(-fp8_max, x32 * scale, fp8_max), fmt)
+  return q, 1.0 / scale
+
+
+# -- the products.
+
+
+def _free(ndim: int, contracting: Sequence[int], batch: Sequence[int]) -> list[int]:
+  return [d for d in range(ndim) if d not in contracting and d not in batch]
+
+
+def _as_output(
+  inverse: jax.Array, contracting: Sequence[int], batch: Sequence[int], first: bool, n_other: int
+) -> jax.Array:
+  """A rowwise inverse scale (keepdims) laid out as the output: batch, lhs free, rhs free."""
+  free = _free(inverse.ndim, contracting, batch)
+  moved = jnp.transpose(inverse, (*batch, *free, *contracting))
+  moved = moved.reshape(moved.shape[: len(batch) + len(free)])
+  if first:  # lhs: (batch, lhs free) -> (batch, lhs free, 1 per rhs free)
+    return moved.reshape(moved.shape + (1,) * n_other)
+  # rhs: (batch, rhs free) -> (batch, 1 per lhs free, rhs free)
+  return moved.reshape(moved.shape[: len(batch)] + (1,) * n_other + moved.shape[len(batch) :])
+
+
+def scaled_dot(
+  qa: jax.Array, inv_a: jax.Array, qb: jax.Array, inv_b: jax.Array, dimension_numbers: Any
+) -> jax.Array:
+  """`dot_general` of two quantized operands, float32 accumulation, rescaled: float32 output."""
+  out = lax.dot_general(qa, qb, dimension_numbers, preferred_element_type=jnp.float32)
+  if inv_a.ndim == 0 and inv_b.ndim == 0:
+    return out * (inv_a * inv_b)  # one scalar: the GEMM's output scale on a GPU
+  (ac, bc), (ab, bb) = dimension_numbers
+  a_free = len(_free(qa.ndim, ac, ab))
+  b_free = len(_free(qb.ndim, bc, bb))
+  scale_a = _as_output(inv_a, ac, ab, True, b_free) if inv_a.ndim else inv_a
+  scale_b = _as_output(inv_b, bc, bb, False, a_free) if inv_b.ndim else inv_b
+  return out * (scale_a * scale_b)
+
+
+def _transposed(
+  dimension_numbers: Any, x_ndim: int, y_ndim: int, swap: bool
+) -> tuple[Any, tuple[int, ...]]:
+  """The backward product of `x` in `dot_general(x, y)`, `dot_general(g, y)`, and its transpose.
+
+  JAX's own transpose rule of `dot_general` (`_dot_general_transpose_lhs`);
+  with `swap`, `x` is the rhs of the forward product (the roles exchanged).
+  """
+  (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+  x_kept = _free(x_ndim, x_contract, x_batch)
+  y_kept = _free(y_ndim, y_contract, y_batch)
+  nb = len(x_batch)
+  ans_batch = list(range(nb))
+  if swap:
+    ans_y = list(range(nb, nb + len(y_kept)))
+  else:
+    ans_y = list(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+  dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
+  x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
+  unsorted = [*x_batch, *x_kept, *x_contract_sorted_by_y]
+  return dims, tuple(int(i) for i in np.argsort(unsorted))
+
+
+def _canonical(dimension_numbers: Any) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+  (lc, rc), (lb, rb) = dimension_numbers
+  return ((tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb))))
+
+
+@functools.lru_cache(maxsize=512)
+def _product(
+  dims: Any,
+  ndims: tuple[int, int],
+  recipe: str,
+  dtypes: tuple[np.dtype, np.dtype],
+  compute_dtype: np.dtype,
+  out_dtype: np.dtype,
+) -> Any:
+  """The differentiable fp8 product of one configuration, as a `custom_vjp`.
+
+  A `custom_vjp` rather than the `custom_jvp` of autocast's 16-bit products:
+  the backward quantizes the incoming gradient with a scale computed from it,
+  which is not linear in it, so JAX could not derive the backward by
+  transposing a tangent rule. The cost: `jax.jvp` through an fp8 product
+  raises, as through any `custom_vjp`.
+  """
+  (lc, rc), (lb, rb) = dims
+  # The backward products, JAX's transposes of this one.
+  lhs_dims, lhs_axes = _transposed(dims, ndims[0], ndims[1], swap=False)
+  rhs_dims, rhs_axes = _transposed(((rc, lc), (rb, lb)), ndims[1], ndims[0], swap=True)
+  narrow = compute_dtype if compute_dtype.itemsize < 4 else None
+
+  def keep(x: jax.Array) -> jax.Array:  # rowwise residuals: at most the compute dtype's width
+    return x if narrow is None or x.dtype.itemsize <= narrow.itemsize else x.astype(narrow)
+
+  def forward(lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, Any]:
+    ql, il = quantize(lhs, FORWARD, recipe, lc)
+    qr, ir = quantize(rhs, FORWARD, recipe, rc)
+    out = scaled_dot(ql, il, qr, ir, dims).astype(out_dtype)
+    if recipe == "tensorwise":  # the backward reads the same fp8 operands: 1 byte per element
+      return out, (ql, il, qr, ir)
+    return out, (keep(lhs), keep(rhs))
+
+  def backward(residuals: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    if recipe == "tensorwise":
+      ql, il, qr, ir = residuals
+      qg, ig = quantize(g, GRADIENT, recipe, ())
+      grad_lhs = scaled_dot(qg, ig, qr, ir, lhs_dims)
+      grad_rhs = scaled_dot(qg, ig, ql, il, rhs_dims)
+    else:  # each backward product scales its operands along its own contracting dimensions
+      lhs, rhs = residuals
+      qg, ig = quantize(g, GRADIENT, recipe, lhs_dims[0][0])
+      qr, ir = quantize(rhs, FORWARD, recipe, lhs_dims[0][1])
+      grad_lhs = scaled_dot(qg, ig, qr, ir, lhs_dims)
+      qg, ig = quantize(g, GRADIENT, recipe, rhs_dims[0][0])
+      ql, il = quantize(lhs, FORWARD, recipe, rhs_dims[0][1])
+      grad_rhs = scaled_dot(qg, ig, ql, il, rhs_dims)
+    grad_lhs = jnp.transpose(grad_lhs, lhs_axes).astype(dtypes[0])
+    grad_rhs = jnp.transpose(grad_rhs, rhs_axes).astype(dtypes[1])
+    return grad_lhs, grad_rhs
+
+  @jax.custom_vjp
+  def product(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    return forward(lhs, rhs)[0]
+
+  product.defvjp(forward, backward)
+  return product
+
+
+def fp8_dot_general(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  *,
+  dimension_numbers: Any,
+  recipe: str,
+  compute_dtype: Any,
+  out_dtype: Any,
+) -> jax.Array:
+  """`lax.dot_general(lhs, rhs, dimension_numbers)` on fp8 operands, forward and backward.
+
+  Forward: both operands in `float8_e4m3fn`; backward (under `jax.grad`): the
+  incoming gradient in `float8_e5m2` against the saved operands in
+  `float8_e4m3fn`; each operand with its own current scale ('tensorwise' or
+  'rowwise', see the module), every product accumulated in float32 and
+  rescaled in float32. The output is `out_dtype`; each gradient has its
+  operand's dtype. 'rowwise' keeps its residuals in `compute_dtype` (when
+  narrower than an operand).
+
+  Args:
+    lhs: a 16- or 32-bit floating array.
+    rhs: a 16- or 32-bit floating array.
+    dimension_numbers: as `lax.dot_general`'s.
+    recipe: 'tensorwise' or 'rowwise'.
+    compute_dtype: the policy's compute dtype.
+    out_dtype: the dtype of the result.
+
+  Returns:
+    The product, `out_dtype`.
+  """
+  if recipe not in RECIPES:
+    raise ValueError(f"recipe must be one of {RECIPES}; got {recipe!r}.")
+  dims = _canonical(dimension_numbers)
+  fn = _product(
+    dims,
+    (lhs.ndim, rhs.ndim),
+    recipe,
+    (np.dtype(lhs.dtype), np.dtype(rhs.dtype)),
+    np.dtype(compute_dtype),
+    np.dtype(out_dtype),
+  )
+  return fn(lhs, rhs)
