@@ -85,7 +85,7 @@ def autocast(
   rules: Mapping[str, str] | None = None,
   fp8: str | None = None,
 ) -> Callable[..., Any]:
-  """Returns `fun` running in mixed precision, the dtype of every op decided on its jaxpr.
+  r"""Returns `fun` running in mixed precision, the dtype of every op decided on its jaxpr.
 
   Write the function in float32; `autocast` picks, per primitive of its jaxpr,
 the way a fused kernel computes (float32 inside, 16 bits at its edges):
