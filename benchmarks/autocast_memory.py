@@ -178,11 +178,28 @@ def measure(quick: bool = False) -> dict[str, dict[str, Any]]:
   return results
 
 
+def export_mlp(path: str) -> None:
+  """Writes the MLP blocks' float32 weights, input and target (`.npz`) for the PyTorch twin."""
+  build, inputs, targets = _models(False)["MLP blocks"]
+  params = build(None).init(jax.random.key(0), inputs)["params"]
+  flat = {
+    jax.tree_util.keystr(path, simple=True, separator="/"): np.asarray(leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+  }
+  np.savez(path, x=np.asarray(inputs), y=np.asarray(targets), **flat)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small shapes (a smoke test)")
   parser.add_argument("--json", help="write the results to this file")
+  parser.add_argument(
+    "--export-mlp", help="only write the MLP blocks' weights and batch to this .npz (for PyTorch)"
+  )
   args = parser.parse_args()
+  if args.export_mlp:
+    export_mlp(args.export_mlp)
+    return
   results = measure(args.quick)
   variants = list(next(iter(results.values()))["gradient error"])
   print(f"{'saved residuals vs float32':28}" + "".join(f"{m:>14}" for m in results))
