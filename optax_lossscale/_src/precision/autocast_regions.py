@@ -33,6 +33,7 @@ from typing import Any
 import weakref
 
 import jax
+from jax import lax
 import jax.extend as jex
 import numpy as np
 
@@ -310,6 +311,7 @@ def _build(ctx: interp.Context, region: Region, saved: tuple[bool, ...]) -> Any:
       if interp.is_float(xs[i]) and not isinstance(tangents[i], jax.custom_derivatives.SymbolicZero)
     ]  # fmt: skip
     kept = [next(copies) if s else x for x, s in zip(xs, saved, strict=True)]
+    kept = _pinned(kept, saved)
     dtypes = [interp.dtype_of(x) for x in xs]
 
     def tangent(kept: list[Any], dxs: list[Any]) -> list[Any]:
@@ -342,3 +344,21 @@ def _zero_tangent(x: Any) -> Any:
   if interp.is_float(x):
     return jax.numpy.zeros_like(x)
   return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def _pinned(kept: list[Any], saved: tuple[bool, ...]) -> list[Any]:
+  """The saved 16-bit copies behind an optimization barrier.
+
+  With excess precision allowed (XLA's default), XLA removes a float32 ->
+  16-bit -> float32 chain of converts (`simplify-fp-conversions`): it would
+  read the float32 value in the backward pass and keep it alive instead of
+  its 16-bit copy. The barrier keeps the copy what is stored.
+  """
+  idx = [i for i, s in enumerate(saved) if s]
+  if not idx:
+    return kept
+  pinned = lax.optimization_barrier([kept[i] for i in idx])
+  out = list(kept)
+  for i, v in zip(idx, pinned, strict=True):
+    out[i] = v
+  return out
