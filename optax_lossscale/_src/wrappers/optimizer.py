@@ -28,6 +28,7 @@ from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
 from optax_lossscale._src.step import composition, conditional_step, overwrite
 from optax_lossscale._src.step.conditional_step import SkipMode
 from optax_lossscale._src.utils import params_check, tree_utils
+from optax_lossscale._src.wrappers import scaled_check
 
 
 class LossScaleOptimizerState(NamedTuple):
@@ -462,6 +463,7 @@ def loss_scale_optimizer(
   )
   guard = overflow_guard.make_guard(initial_ls, max_consecutive_skips, raise_at_min_loss_scale)
   user_inner, inner = inner, optax.with_extra_args_support(inner)
+  site, scaled_since = scaled_check.construction_site()
 
   def init_fn(params: optax.Params) -> LossScaleOptimizerState:
     composition.check_init(composition.LOSS_SCALE, init_fn, initial_ls.skips)
@@ -493,14 +495,16 @@ def loss_scale_optimizer(
     """One update; returns the updates, or with `apply_to_params` the new params."""
     _check_state(state)
     marked = overwrite.resolve(overwrite_with_gradient, grads)
+    traced = composition.is_traced(grads)
     composition.check_update(
       composition.LOSS_SCALE,
       update_fn,
       writes_values=marked is not None,
       can_skip=state.loss_scale.skips,
-      traced=composition.is_traced(grads),
+      traced=traced,
       writes_params=writes_params,
     )
+    scaled_check.check(initial_ls, state.loss_scale, site, scaled_since, traced)
     _check_float_grads(grads)
     if params is not None:
       params_check.check_params_are_arrays(params, "loss_scale_optimizer.update")
