@@ -22,8 +22,8 @@ import re
 import warnings
 
 import jax
-from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -187,7 +187,7 @@ def test_a_dynamic_scale_now_one_is_quiet_eagerly_and_warned_under_jit():
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("how", ["value_and_grad", "get_scaled_loss", "scaled_callable", "ls.scale"])
+@pytest.mark.parametrize("how", ["value_and_grad", "get_scaled_loss", "callable", "ls.scale"])
 def test_the_scaled_losses_are_quiet(how, jit):
   tx = ols.loss_scale_optimizer(optax.sgd(0.5))
 
@@ -196,7 +196,7 @@ def test_the_scaled_losses_are_quiet(how, jit):
       _, grads = ols.value_and_grad(loss_fn)(state, params)
     elif how == "get_scaled_loss":  # TensorFlow/Keras style
       grads = jax.grad(lambda p: ols.get_scaled_loss(loss_fn(p), state))(params)
-    elif how == "scaled_callable":
+    elif how == "callable":  # get_scaled_loss(loss_fn, state): scaled when called
       grads = jax.grad(ols.get_scaled_loss(loss_fn, state))(params)
     else:
       grads = jax.grad(lambda p: ols.get_loss_scale(state).scale(loss_fn(p)))(params)
