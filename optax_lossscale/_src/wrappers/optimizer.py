@@ -57,7 +57,8 @@ class LossScaleOptimizerState(NamedTuple):
     >>> state = tx.init({'w': jnp.ones(2)})
     >>> isinstance(state, ols.LossScaleOptimizerState)
     True
-    >>> _, state = tx.update({'w': jnp.full(2, jnp.nan)}, state)
+    >>> overflowed = ols.mark_scaled({'w': jnp.full(2, jnp.nan)})  # grads of a scaled loss
+    >>> _, state = tx.update(overflowed, state)
     >>> bool(state.last_step_applied), int(state.total_skips), float(state.loss_scale())
     (False, 1, 16384.0)
   """
