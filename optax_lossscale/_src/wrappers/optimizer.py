@@ -295,9 +295,10 @@ def loss_scale_optimizer(
 ) -> LossScaleOptimizer:
   """Wraps an optax transformation with loss scaling and overflow skipping.
 
-  Feed it the gradients of the **scaled** loss (`get_scaled_loss`). Each
-  update divides them by the current scale, checks them for NaN/Inf, updates
-  the loss scale and, on a finite step, returns exactly what
+  Feed it the gradients of the **scaled** loss (`value_and_grad`, or
+  `jax.grad` of `get_scaled_loss`). Each update divides them by the current
+  scale, checks them for NaN/Inf, updates the loss scale and, on a finite
+  step, returns exactly what
   `inner.update(ls.unscale(grads), inner_state, params)` returns. On a
   non-finite step the updates are zeros of the dtypes `inner` would return
   and `inner`'s state is left bit-identical: its step count, schedules and
@@ -324,6 +325,14 @@ def loss_scale_optimizer(
   the step, also in a leaf the inner optimizer ignores (a frozen leaf under
   `optax.set_to_zero` in a `multi_transform`): leave such leaves out of the
   gradients rather than relying on the inner optimizer to drop them.
+
+  Gradients of the plain loss would be divided by the scale all the same.
+  When the update runs (or is traced) and no loss has been scaled since the
+  wrapper was built, it warns, `UnscaledGradientsWarning`: every
+  `LossScale.scale` counts (`value_and_grad`, `get_scaled_loss`, their Flax,
+  NNX and Equinox forms, `retry_on_overflow`), and `mark_scaled` declares a
+  loss scaled another way. The check is Python run at trace time: nothing of
+  it is in the compiled step.
 
   To step, `apply_gradients(tx, grads, state, params)` is cheaper than
   `update` followed by `optax.apply_updates`: it applies the updates inside
