@@ -10,6 +10,7 @@ from optax_lossscale._src.diagnostics.overflow_guard import OverflowGuardError
 from optax_lossscale._src.diagnostics.scale_advisor import ScaleAdvice, suggest_loss_scale
 from optax_lossscale._src.loss_scales.dynamic_loss_scale import DynamicLossScale
 from optax_lossscale._src.loss_scales.loss_scale import FixedLossScale, LossScale, NoOpLossScale
+from optax_lossscale._src.loss_scales.scaling_record import UnscaledGradientsWarning, mark_scaled
 from optax_lossscale._src.loss_scales.serialization import deserialize, get, serialize
 from optax_lossscale._src.loss_scales.skipping_fixed_loss_scale import SkippingFixedLossScale
 from optax_lossscale._src.precision.autocast import autocast
@@ -73,6 +74,7 @@ __all__ = (
   "SkippingFixedLossScale",
   "StochasticRoundingState",
   "UnknownPrimitiveError",
+  "UnscaledGradientsWarning",
   "all_finite",
   "apply_gradients",
   "autocast",
@@ -92,6 +94,7 @@ __all__ = (
   "half_dtype",
   "inner_state",
   "loss_scale_optimizer",
+  "mark_scaled",
   "master_weights",
   "metrics",
   "retry_on_overflow",

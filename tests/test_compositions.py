@@ -103,7 +103,7 @@ class PredecessorTest(chex.TestCase):
     fixed = optax.chain(ols.loss_scale_optimizer(optax.sgd(0.5), 2.0), optax.trace(0.9))
     with warnings.catch_warnings():
       warnings.simplefilter("error")  # a fixed scale never skips: nothing to warn about
-      fixed.update({"w": jnp.ones(2)}, fixed.init(PARAMS), PARAMS)
+      fixed.update(ols.mark_scaled({"w": jnp.ones(2)}), fixed.init(PARAMS), PARAMS)
 
   def test_after_the_wrapper_is_fine(self):
     tx = optax.chain(lso(), optax.scale(0.5))

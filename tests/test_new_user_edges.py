@@ -282,7 +282,7 @@ class InjectHyperparamsTest(chex.TestCase):
       with warnings.catch_warnings():
         warnings.simplefilter("error")
         state = tx.init(PARAMS)
-        tx.update(_grads([1.0, 1.0, 1.0]), state, PARAMS)
+        tx.update(ols.mark_scaled(_grads([1.0, 1.0, 1.0])), state, PARAMS)
 
   def test_the_optax_guide_no_longer_lists_it_as_accepted(self):
     text = (ROOT / "docs" / "guides" / "optax.md").read_text()

@@ -65,7 +65,7 @@ def test_fp8_metadata_on_eight_devices(kind):
 
   @jax.jit
   def step(state, x):
-    grads = jax.grad(lambda v: loss_fn(v, x) * scale)(state.params)
+    grads = ols.mark_scaled(jax.grad(lambda v: loss_fn(v, x) * scale)(state.params))  # by hand
     return state.apply_gradients(grads=grads), grads
 
   new, grads = step(state, jax.device_put(x, rows))

@@ -65,7 +65,7 @@ class OverflowGuardError(FloatingPointError):
     >>> import optax_lossscale as ols
     >>> tx = ols.loss_scale_optimizer(optax.sgd(0.1), max_consecutive_skips=1)
     >>> state = tx.init({'w': jnp.ones(2)})
-    >>> nan = {'w': jnp.array([jnp.nan, 1.0])}
+    >>> nan = ols.mark_scaled({'w': jnp.array([jnp.nan, 1.0])})  # an overflow, by hand
     >>> _, state = tx.update(nan, state)  # one skip is tolerated
     >>> try:  # blocking: on a GPU/TPU the error arrives when a result is read
     ...   jax.block_until_ready(tx.update(nan, state))

@@ -193,7 +193,8 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any) -> Any:
     >>> from optax_lossscale.flax import restore_checkpoint, save_checkpoint
     >>> tx = ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale(8.0))
     >>> make = lambda: tx.init({'w': jnp.ones(2)})
-    >>> _, state = tx.update({'w': jnp.array([jnp.inf, 0.0])}, make())  # a skip
+    >>> grads = ols.mark_scaled({'w': jnp.array([jnp.inf, 0.0])})  # scaled, and overflowed
+    >>> _, state = tx.update(grads, make())  # a skip
     >>> path = os.path.join(tempfile.mkdtemp(), 'ckpt')
     >>> save_checkpoint(path, state)
     >>> restored = restore_checkpoint(path, jax.eval_shape(make))

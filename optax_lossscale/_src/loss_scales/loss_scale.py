@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._src.loss_scales import scaling_record
 from optax_lossscale._src.utils import tree_utils, validation
 
 _Self = TypeVar("_Self", bound="LossScale")
@@ -185,7 +186,11 @@ class LossScale(types.SimpleNamespace, metaclass=_LossScaleType):
     the 8-bit floats) is promoted to float32 first, so that a float16 loss
     times a large scale is not `inf`; wider leaves keep their dtype. `None`,
     integer, bool and `float0` leaves pass through untouched.
+
+    Each call (or trace) counts as a scaled loss for `loss_scale_optimizer`'s
+    check against gradients of the plain loss (`UnscaledGradientsWarning`).
     """
+    scaling_record.note_scaled()
     factor = jnp.asarray(self.loss_scale, jnp.float32)
     return tree_utils.map_inexact(lambda x: _scale_leaf(x, factor, keep_dtype=False), tree)
 

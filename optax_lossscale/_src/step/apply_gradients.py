@@ -55,10 +55,12 @@ def apply_gradients(
     >>> tx = ols.loss_scale_optimizer(optax.sgd(0.5), initial_scale=2.0**8)
     >>> params = {'w': jnp.ones(2)}
     >>> state = tx.init(params)
-    >>> params, state = ols.apply_gradients(tx, {'w': jnp.full(2, 256.0)}, state, params)
+    >>> grads = ols.mark_scaled({'w': jnp.full(2, 256.0)})  # 1.0, scaled by hand
+    >>> params, state = ols.apply_gradients(tx, grads, state, params)
     >>> params['w']
     Array([0.5, 0.5], dtype=float32)
-    >>> params, state = ols.apply_gradients(tx, {'w': jnp.full(2, jnp.inf)}, state, params)
+    >>> overflowed = {'w': jnp.full(2, jnp.inf)}
+    >>> params, state = ols.apply_gradients(tx, overflowed, state, params)
     >>> params['w'], int(state.total_skips)
     (Array([0.5, 0.5], dtype=float32), 1)
   """

@@ -28,6 +28,7 @@ from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
 from optax_lossscale._src.step import composition, conditional_step, overwrite
 from optax_lossscale._src.step.conditional_step import SkipMode
 from optax_lossscale._src.utils import params_check, tree_utils
+from optax_lossscale._src.wrappers import scaled_check
 
 
 class LossScaleOptimizerState(NamedTuple):
@@ -56,7 +57,8 @@ class LossScaleOptimizerState(NamedTuple):
     >>> state = tx.init({'w': jnp.ones(2)})
     >>> isinstance(state, ols.LossScaleOptimizerState)
     True
-    >>> _, state = tx.update({'w': jnp.full(2, jnp.nan)}, state)
+    >>> overflowed = ols.mark_scaled({'w': jnp.full(2, jnp.nan)})  # grads of a scaled loss
+    >>> _, state = tx.update(overflowed, state)
     >>> bool(state.last_step_applied), int(state.total_skips), float(state.loss_scale())
     (False, 1, 16384.0)
   """
@@ -293,9 +295,10 @@ def loss_scale_optimizer(
 ) -> LossScaleOptimizer:
   """Wraps an optax transformation with loss scaling and overflow skipping.
 
-  Feed it the gradients of the **scaled** loss (`get_scaled_loss`). Each
-  update divides them by the current scale, checks them for NaN/Inf, updates
-  the loss scale and, on a finite step, returns exactly what
+  Feed it the gradients of the **scaled** loss (`value_and_grad`, or
+  `jax.grad` of `get_scaled_loss`). Each update divides them by the current
+  scale, checks them for NaN/Inf, updates the loss scale and, on a finite
+  step, returns exactly what
   `inner.update(ls.unscale(grads), inner_state, params)` returns. On a
   non-finite step the updates are zeros of the dtypes `inner` would return
   and `inner`'s state is left bit-identical: its step count, schedules and
@@ -322,6 +325,14 @@ def loss_scale_optimizer(
   the step, also in a leaf the inner optimizer ignores (a frozen leaf under
   `optax.set_to_zero` in a `multi_transform`): leave such leaves out of the
   gradients rather than relying on the inner optimizer to drop them.
+
+  Gradients of the plain loss would be divided by the scale all the same.
+  When the update runs (or is traced) and no loss has been scaled since the
+  wrapper was built, it warns, `UnscaledGradientsWarning`: every
+  `LossScale.scale` counts (`value_and_grad`, `get_scaled_loss`, their Flax,
+  NNX and Equinox forms, `retry_on_overflow`), and `mark_scaled` declares a
+  loss scaled another way. The check is Python run at trace time: nothing of
+  it is in the compiled step.
 
   To step, `apply_gradients(tx, grads, state, params)` is cheaper than
   `update` followed by `optax.apply_updates`: it applies the updates inside
@@ -462,6 +473,7 @@ def loss_scale_optimizer(
   )
   guard = overflow_guard.make_guard(initial_ls, max_consecutive_skips, raise_at_min_loss_scale)
   user_inner, inner = inner, optax.with_extra_args_support(inner)
+  site, scaled_since = scaled_check.construction_site()
 
   def init_fn(params: optax.Params) -> LossScaleOptimizerState:
     composition.check_init(composition.LOSS_SCALE, init_fn, initial_ls.skips)
@@ -493,14 +505,16 @@ def loss_scale_optimizer(
     """One update; returns the updates, or with `apply_to_params` the new params."""
     _check_state(state)
     marked = overwrite.resolve(overwrite_with_gradient, grads)
+    traced = composition.is_traced(grads)
     composition.check_update(
       composition.LOSS_SCALE,
       update_fn,
       writes_values=marked is not None,
       can_skip=state.loss_scale.skips,
-      traced=composition.is_traced(grads),
+      traced=traced,
       writes_params=writes_params,
     )
+    scaled_check.check(initial_ls, state.loss_scale, site, scaled_since, traced)
     _check_float_grads(grads)
     if params is not None:
       params_check.check_params_are_arrays(params, "loss_scale_optimizer.update")

@@ -273,7 +273,8 @@ def inner_state(opt_state: Any) -> Any:
     >>> params = {'w': jnp.ones(2)}
     >>> state = tx.init(params)
     >>> for scaled in (2.0**10, jnp.inf):  # one applied step, one skipped
-    ...   updates, state = tx.update({'w': jnp.full(2, scaled)}, state, params)
+    ...   grads = ols.mark_scaled({'w': jnp.full(2, scaled)})  # scaled by hand
+    ...   updates, state = tx.update(grads, state, params)
     ...   params = optax.apply_updates(params, updates)
     >>> optax.contrib.schedule_free_eval_params(ols.inner_state(state), params)
     {'w': Array([0.5, 0.5], dtype=float32)}
