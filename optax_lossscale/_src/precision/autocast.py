@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
+from optax_lossscale._src.precision import autocast_loop as loop
 from optax_lossscale._src.precision import autocast_rules, fp8_product
 from optax_lossscale._src.precision import policy as policy_lib
 
@@ -205,7 +206,7 @@ the way a fused kernel computes (float32 inside, 16 bits at its edges):
     arrays = [leaves[i] for i in traced]
     closed, (out_shape, update_shape), promoted = _trace(flat_fun, arrays)
     with interp.scope():
-      flat = interp.eval_jaxpr(ctx, closed.jaxpr, closed.consts, arrays)
+      flat = loop.eval_jaxpr(ctx, closed.jaxpr, closed.consts, arrays)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     outs, updates = flat[: len(out_leaves)], flat[len(out_leaves) :]
     if changed:

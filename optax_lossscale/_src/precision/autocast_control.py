@@ -1,7 +1,7 @@
 """`autocast` rules for the primitives that hold jaxprs: jit, remat, cond, loops, custom rules.
 
 One idea serves them all: a sub-jaxpr becomes a Python function that runs the
-interpreter on it (`ctx.eval`), and the public JAX function that made the
+interpreter loop on it (`autocast_loop`), and the public JAX function that made the
 primitive (`jax.checkpoint`, `lax.switch`, `lax.scan`, `lax.while_loop`,
 `jax.custom_jvp`, `jax.shard_map`) is called again with it, so JAX re-derives
 the types. What the interpreter changes is a sub-jaxpr's dtypes, and some
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
+from optax_lossscale._src.precision import autocast_loop as loop
 from optax_lossscale._src.precision import fp8_product
 from optax_lossscale._src.utils import compat
 
@@ -52,8 +53,8 @@ def inline(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`closed_call` and `core_call`: the inner jaxpr evaluated in place."""
   closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   if hasattr(closed, "consts"):
-    return ctx.eval_closed(closed, invals, _kinds(invals))
-  return ctx.eval(closed, (), invals, _kinds(invals))
+    return loop.eval_closed(ctx, closed, invals, _kinds(invals))
+  return loop.eval_jaxpr(ctx, closed, (), invals, _kinds(invals))
 
 
 _jit_cache: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
@@ -65,13 +66,13 @@ def jit(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   closed = eqn.params["jaxpr"]
   kinds = _kinds(invals)
   if interp.in_region():
-    return ctx.eval_closed(closed, invals, kinds)
+    return loop.eval_closed(ctx, closed, invals, kinds)
   avals = tuple(compat.typeof(v) for v in invals)
   key = (ctx, avals, tuple(kinds), fp8_product.forced())
   with _jit_lock:
     found = _jit_cache.setdefault(closed, {}).get(key)
   if found is None:
-    found = jax.make_jaxpr(lambda *a: ctx.eval_closed(closed, a, kinds))(*invals)
+    found = jax.make_jaxpr(lambda *a: loop.eval_closed(ctx, closed, a, kinds))(*invals)
     with _jit_lock:
       _jit_cache[closed][key] = found
   return interp.bind(eqn, invals, jaxpr=found)
@@ -81,7 +82,7 @@ def remat(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`jax.checkpoint`: the same rematerialization policy around the interpreted body."""
   jaxpr = eqn.params["jaxpr"]
   kinds = _kinds(invals)
-  body = lambda *args: ctx.eval(jaxpr, (), args, kinds)
+  body = lambda *args: loop.eval_jaxpr(ctx, jaxpr, (), args, kinds)
   checkpointed = jax.checkpoint(
     body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
   )
@@ -93,7 +94,7 @@ def cond(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   index, *operands = invals
   kinds = _kinds(operands)
   branches = [
-    functools.partial(lambda b, ops: ctx.eval_closed(b, ops, kinds), b)
+    functools.partial(lambda b, ops: loop.eval_closed(ctx, b, ops, kinds), b)
     for b in eqn.params["branches"]
   ]
   per_branch = [_out_dtypes(lambda *ops, b=b: b(ops), operands) for b in branches]
@@ -109,8 +110,8 @@ def while_loop(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   body_consts, init = _split(rest, p["body_nconsts"])
   cond_kinds = _kinds(cond_consts) + [Kind.ACT] * len(init)
   body_kinds = _kinds(body_consts) + [Kind.ACT] * len(init)
-  body = lambda carry: ctx.eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_kinds)
-  test = lambda carry: ctx.eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cond_kinds)[0]
+  body = lambda carry: loop.eval_closed(ctx, p["body_jaxpr"], [*body_consts, *carry], body_kinds)
+  test = lambda carry: loop.eval_closed(ctx, p["cond_jaxpr"], [*cond_consts, *carry], cond_kinds)[0]
   dtypes = _carry_dtypes(body, init)
   step = lambda carry: interp.cast_all(body(carry), dtypes)
   return list(lax.while_loop(lambda c: _predicate(test(c)), step, interp.cast_all(init, dtypes)))
@@ -137,7 +138,7 @@ def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   kinds = _kinds(consts) + [Kind.ACT] * len(init) + _kinds(xs)
 
   def body(carry: Sequence[Any], x: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    out = ctx.eval_closed(p["jaxpr"], [*consts, *carry, *x], kinds)
+    out = loop.eval_closed(ctx, p["jaxpr"], [*consts, *carry, *x], kinds)
     return out[:num_carry], out[num_carry:]
 
   def first(carry: Sequence[Any]) -> list[Any]:  # one step, for the carry's types
@@ -165,13 +166,13 @@ def custom_jvp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   p = eqn.params
   consts, args = _split(invals, p["num_consts"])
   kinds = _kinds(invals)
-  fun = lambda *a: ctx.eval_closed(p["call_jaxpr"], [*consts, *a], kinds)
+  fun = lambda *a: loop.eval_closed(ctx, p["call_jaxpr"], [*consts, *a], kinds)
   dtypes = _out_dtypes(fun, args)
   new = jax.custom_jvp(fun)
 
   def rule(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
     jaxpr, rule_consts, out_zeros = compat.custom_jvp_rule_jaxpr(p, len(primals))
-    outs = ctx.eval(jaxpr, rule_consts, [*primals, *tangents], kinds[len(consts) :] * 2)
+    outs = loop.eval_jaxpr(ctx, jaxpr, rule_consts, [*primals, *tangents], kinds[len(consts) :] * 2)
     primals_out = interp.cast_all(outs[: len(out_zeros)], dtypes)
     nonzero = iter(outs[len(out_zeros) :])
     tangents_out = [
@@ -194,7 +195,7 @@ def shard_map(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`jax.shard_map`: the same mesh, specs and checks around the interpreted body."""
   p = eqn.params
   kinds = _kinds(invals)
-  body = lambda *args: tuple(ctx.eval(p["jaxpr"], (), args, kinds))
+  body = lambda *args: tuple(loop.eval_jaxpr(ctx, p["jaxpr"], (), args, kinds))
   mapped = jax.shard_map(
     body,
     mesh=p["mesh"],

@@ -1,4 +1,4 @@
-"""The interpreter behind `autocast`: one loop over a jaxpr, a rule per primitive.
+"""The interpreter behind `autocast`: the first-order rules and what the loop shares.
 
 Each equation is re-bound on the values the interpreter holds, which may have
 other floating dtypes than the jaxpr declares (a float32 program whose
@@ -15,9 +15,9 @@ written:
                custom_vjp kernels): inputs cast back to the declared dtypes
   independent  ops whose operands do not meet (collectives, sort): as they are
 
-The loop groups consecutive float32 and widest equations into regions
-(`autocast_regions`): the backward pass keeps only their 16-bit inputs, as a
-fused kernel does. Primitives that hold jaxprs (jit, scan, cond, ...) have
+The loop (`autocast_loop`) groups consecutive float32 and widest equations
+into regions (`autocast_regions`): the backward pass keeps only their 16-bit
+inputs, as a fused kernel does. Primitives that hold jaxprs (jit, scan, cond, ...) have
 rules of their own in `autocast_control`; the table that names every known
 primitive is in `autocast_rules`. Integer, boolean and key values are never
 cast, and complex values never become real.
@@ -118,22 +118,6 @@ class Context:
   def __eq__(self, other: object) -> bool:
     return isinstance(other, Context) and self._key == other._key
 
-  def eval(
-    self,
-    jaxpr: Any,
-    consts: Sequence[Any],
-    args: Sequence[Any],
-    kinds: Sequence[Kind] | None = None,
-  ) -> list[Any]:
-    """Evaluates an open `jaxpr` with the rules."""
-    return eval_jaxpr(self, jaxpr, consts, args, kinds)
-
-  def eval_closed(
-    self, closed: Any, args: Sequence[Any], kinds: Sequence[Kind] | None = None
-  ) -> list[Any]:
-    """Evaluates a `ClosedJaxpr` with the rules."""
-    return eval_jaxpr(self, closed.jaxpr, closed.consts, args, kinds)
-
 
 # The kinds of the values an interpreter loop holds, by the value's identity:
 # set by the loop, read by the rules of the primitives holding jaxprs, which
@@ -167,6 +151,16 @@ def scope() -> Any:
     _KINDS.reset(kinds)
 
 
+@contextlib.contextmanager
+def copies_scope() -> Any:
+  """A fresh memo of compute-dtype copies (one per loop: a body is another trace)."""
+  token = _COPIES.set({})
+  try:
+    yield
+  finally:
+    _COPIES.reset(token)
+
+
 def kind_of(value: Any) -> Kind:
   """The kind the running loop gave `value` (ACT when unknown)."""
   memo = _KINDS.get()
@@ -174,62 +168,10 @@ def kind_of(value: Any) -> Kind:
   return entry[1] if entry is not None and entry[0] is value else Kind.ACT
 
 
-def _remember_kind(value: Any, kind: Kind) -> None:
+def remember_kind(value: Any, kind: Kind) -> None:
   memo = _KINDS.get()
   if memo is not None and kind is not Kind.ACT:
     memo[id(value)] = (value, kind)
-
-
-def eval_jaxpr(
-  ctx: Context,
-  jaxpr: Any,
-  consts: Sequence[Any],
-  args: Sequence[Any],
-  kinds: Sequence[Kind] | None = None,
-) -> list[Any]:
-  """The interpreter loop: `jax.core.eval_jaxpr` with a rule per equation.
-
-  Consecutive float32 and widest equations run as one region (see
-  `autocast_regions`); every other equation by its rule. `kinds` says which
-  arguments are activations (default: none, they are the caller's arrays).
-  """
-  if kinds is None:
-    kinds = [Kind.GIVEN] * len(args)
-  plan = regions.plan(ctx, jaxpr, tuple(kinds), flat=in_region())
-  env: dict[Any, Any] = {}
-
-  def read(v: Any) -> Any:
-    if isinstance(v, jex.core.Literal):  # a NumPy constant of the declared dtype
-      return literal(v)
-    return env[v]
-
-  env.update(zip(jaxpr.constvars, consts, strict=True))
-  env.update(zip(jaxpr.invars, args, strict=True))
-  for v, value in zip(jaxpr.invars, args, strict=True):
-    _remember_kind(value, plan.kinds[v])
-  for value in consts:
-    _remember_kind(value, Kind.GIVEN)
-  # Copies are shared within one loop, never across (a body is another trace).
-  copies = _COPIES.set({})
-  try:
-    for step in plan.steps:
-      invals = [read(v) for v in step.invars]
-      if isinstance(step, regions.Region):
-        kinds_in = [plan.kinds.get(v, Kind.GIVEN) for v in step.invars]
-        outs = regions.run(ctx, step, invals, kinds_in)
-      else:
-        eqn = step.eqn
-        rule = ctx.rules.get(eqn.primitive.name)
-        if rule is None:
-          raise unknown_primitive(eqn.primitive.name)
-        with compat.eqn_context(eqn):
-          outs = rule(ctx, eqn, invals)
-      for v, out in zip(step.outvars, outs, strict=True):
-        env[v] = out  # dropped outputs too, as JAX does
-        _remember_kind(out, plan.kinds.get(v, Kind.ACT))
-  finally:
-    _COPIES.reset(copies)
-  return [read(v) for v in jaxpr.outvars]
 
 
 def eval_flat(ctx: Context, eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any],
@@ -395,5 +337,3 @@ def independent(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
 
 # The kinds a user may name in `autocast(..., rules=)` ('compute' is `autocast_products`').
 KIND_NAMES = ("as_written", "compute", "float32", "independent", "widest")
-
-from optax_lossscale._src.precision import autocast_regions as regions  # noqa: E402

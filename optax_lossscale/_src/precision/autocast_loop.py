@@ -1,0 +1,75 @@
+"""The interpreter loop of `autocast`: `jax.core.eval_jaxpr` with a rule per equation.
+
+Consecutive float32 and widest equations run as one region
+(`autocast_regions`); every other equation by its rule (`autocast_rules`).
+The primitives that hold jaxprs (`autocast_control`) call back into this loop
+for their bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.extend as jex
+
+from optax_lossscale._src.precision import autocast_interpreter as interp
+from optax_lossscale._src.precision import autocast_regions as regions
+from optax_lossscale._src.utils import compat
+
+Kind = interp.Kind
+
+
+def eval_jaxpr(
+  ctx: interp.Context,
+  jaxpr: Any,
+  consts: Sequence[Any],
+  args: Sequence[Any],
+  kinds: Sequence[Kind] | None = None,
+) -> list[Any]:
+  """The interpreter loop: `jax.core.eval_jaxpr` with a rule per equation.
+
+  Consecutive float32 and widest equations run as one region (see
+  `autocast_regions`); every other equation by its rule. `kinds` says which
+  arguments are activations (default: none, they are the caller's arrays).
+  """
+  if kinds is None:
+    kinds = [Kind.GIVEN] * len(args)
+  plan = regions.plan(ctx, jaxpr, tuple(kinds), flat=interp.in_region())
+  env: dict[Any, Any] = {}
+
+  def read(v: Any) -> Any:
+    if isinstance(v, jex.core.Literal):  # a NumPy constant of the declared dtype
+      return interp.literal(v)
+    return env[v]
+
+  env.update(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  for v, value in zip(jaxpr.invars, args, strict=True):
+    interp.remember_kind(value, plan.kinds[v])
+  for value in consts:
+    interp.remember_kind(value, Kind.GIVEN)
+  with interp.copies_scope():  # copies are shared within one loop, never across (a body is
+    for step in plan.steps:  # another trace)
+      invals = [read(v) for v in step.invars]
+      if isinstance(step, regions.Region):
+        kinds_in = [plan.kinds.get(v, Kind.GIVEN) for v in step.invars]
+        outs = regions.run(ctx, step, invals, kinds_in)
+      else:
+        eqn = step.eqn
+        rule = ctx.rules.get(eqn.primitive.name)
+        if rule is None:
+          raise interp.unknown_primitive(eqn.primitive.name)
+        with compat.eqn_context(eqn):
+          outs = rule(ctx, eqn, invals)
+      for v, out in zip(step.outvars, outs, strict=True):
+        env[v] = out  # dropped outputs too, as JAX does
+        interp.remember_kind(out, plan.kinds.get(v, Kind.ACT))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def eval_closed(
+  ctx: interp.Context, closed: Any, args: Sequence[Any], kinds: Sequence[Kind] | None = None
+) -> list[Any]:
+  """Evaluates a `ClosedJaxpr` with the rules."""
+  return eval_jaxpr(ctx, closed.jaxpr, closed.consts, args, kinds)
