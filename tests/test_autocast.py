@@ -148,8 +148,10 @@ def test_control_flow_keeps_every_matmul_in_the_compute_dtype():
   mixed = ols.autocast(model, F16_POLICY)
   np.testing.assert_allclose(mixed(w, X), model(w, X), rtol=2e-2)
   # One product in each of jit, checkpoint, a cond branch, scan and fori_loop;
-  # and their transposes, twice each (for w and for the carried activations).
-  for fn, count in ((mixed, 5), (jax.grad(mixed), 5 + 10)):
+  # and their transposes, twice each (for w and for the carried activations),
+  # but once for the first (x is not differentiated). dots_saveable saves the
+  # checkpoint's product: the backward pass does not recompute it.
+  for fn, count in ((mixed, 5), (jax.grad(mixed), 5 + 9)):
     jaxpr = jax.make_jaxpr(fn)(w, X)
     dtypes = matmul_inputs(jaxpr)
     assert len(dtypes) >= count and set(dtypes) == {("float16", "float16")}, dtypes

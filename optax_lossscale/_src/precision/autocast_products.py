@@ -93,7 +93,7 @@ def _product(
     return interp.cast(product(*ops, preferred=np.float32), result)
 
   def f_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
-    out = f(*primals)
+    out = interp.cast(product(*primals, preferred=np.float32), result)
     terms = [
       product(*primals[:i], t, *primals[i + 1 :], preferred=c)
       for i, t in enumerate(tangents)

@@ -185,7 +185,7 @@ def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region
   )
   stacks = [e.source_info.name_stack for e in eqns]
   return Region(
-    tuple(eqns), tuple(invars), outvars, _structure(eqns, invars), _common(stacks), wrap
+    tuple(eqns), tuple(invars), outvars, _structure(eqns, invars, outvars), _common(stacks), wrap
   )
 
 
@@ -200,8 +200,8 @@ def _common(stacks: Sequence[Any]) -> Any:
   return dataclasses.replace(first, stack=first.stack[:n])
 
 
-def _structure(eqns: Sequence[Any], invars: Sequence[Any]) -> Any:
-  """A hashable key equal for two runs that compute the same thing, or None."""
+def _structure(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any]) -> Any:
+  """A hashable key equal for two runs that compute and return the same thing, or None."""
   index = {v: i for i, v in enumerate(invars)}
   parts: list[Any] = []
   try:
@@ -222,7 +222,7 @@ def _structure(eqns: Sequence[Any], invars: Sequence[Any]) -> Any:
       parts.append(part)
   except (TypeError, ValueError):  # an unhashable parameter
     return None
-  return tuple(parts)
+  return tuple(parts), tuple(index[v] for v in outvars)  # which values leave the region
 
 
 def _kinds(ctx: interp.Context, jaxpr: Any, in_kinds: tuple[Kind, ...]) -> dict[Any, Kind]:
