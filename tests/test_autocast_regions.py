@@ -162,3 +162,30 @@ def test_every_product_of_a_training_step_keeps_16_bit_operands_through_regions(
   mixed = ols.autocast(block, HALVES["float16"])
   backward = jax.make_jaxpr(jax.grad(mixed))(block_params(), X)
   assert set(matmul_inputs(backward)) == {("float16", "float16")}
+
+
+def test_small_steps_of_a_long_scan_are_counted_stacked():
+  # 4 x 64 = 256 elements a step (under MIN_SAVED_SIZE), kept for each of 16 steps.
+  def rnn(w, xs):
+    step = lambda h, x: (jnp.tanh(h @ w + x), h)
+    return jnp.sum(lax.scan(step, jnp.zeros((4, 64)), xs)[1] ** 2)
+
+  w, xs = jnp.eye(64) / 2, jax.random.normal(jax.random.key(0), (16, 4, 64))
+  got = residuals(ols.autocast(rnn, HALVES["bfloat16"]), w, xs)
+  stacked = [(d, s) for d, s in got if s[:1] == (16,) and int(np.prod(s)) >= 16 * 256]
+  assert stacked and {d for d, _ in stacked} == {"bfloat16"}, got
+
+
+def test_regions_holding_custom_jvp_functions_are_cached_across_traces():
+  def mlp(ws, x):
+    for w in ws:
+      x = jax.nn.relu(x @ w)  # relu is a custom_jvp function: its rule calls relu again
+    return jnp.sum(x)
+
+  ws, x = [jnp.eye(D)] * 3, X
+  mixed = ols.autocast(mlp, HALVES["float16"])
+  jax.make_jaxpr(jax.grad(mixed))(ws, x)
+  before = len(autocast_regions._fused_cache)
+  jax.make_jaxpr(jax.grad(mixed))(ws, x)  # a re-trace: a new jaxpr, equal regions
+  assert len(autocast_regions._fused_cache) == before
+  np.testing.assert_allclose(jax.grad(mixed)(ws, x)[0], jax.grad(mlp)(ws, x)[0], rtol=1e-2)

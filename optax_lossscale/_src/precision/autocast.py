@@ -193,7 +193,11 @@ the way a fused kernel computes (float32 inside, 16 bits at its edges):
         local[i] = x
       inner_args, inner_kwargs = jax.tree_util.tree_unflatten(treedef, local)
       out = fun(*inner_args, **inner_kwargs)
-      after = jax.tree_util.tree_leaves((inner_args, inner_kwargs))
+      try:
+        after = jax.tree_util.tree_leaves((inner_args, inner_kwargs))
+      except ValueError:  # an argument that refuses a second read once used (Equinox's
+        changed[:] = []  # State): fun returns its new value, nothing to write back
+        return out, []
       if len(after) != len(leaves):
         raise ValueError(
           "autocast: fun changed the structure of its arguments in place; it may update"

@@ -38,6 +38,7 @@ import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
 from optax_lossscale._src.precision import autocast_loop as loop
+from optax_lossscale._src.precision import autocast_regions as regions
 from optax_lossscale._src.precision import fp8_product
 from optax_lossscale._src.utils import compat
 
@@ -79,14 +80,62 @@ def jit(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
 
 
 def remat(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
-  """`jax.checkpoint`: the same rematerialization policy around the interpreted body."""
+  """`jax.checkpoint`: the same rematerialization policy around the interpreted body.
+
+  What a checkpoint keeps for the backward pass is its inputs (and what its
+  policy saves). An activation among them (the residual stream entering a
+  checkpointed layer) enters as its 16-bit copy, so that the copy is what
+  is kept: the body computes from the rounded value, and its gradient
+  reaches the float32 value unrounded (`_rounded`).
+  """
   jaxpr = eqn.params["jaxpr"]
   kinds = _kinds(invals)
-  body = lambda *args: loop.eval_jaxpr(ctx, jaxpr, (), args, kinds)
+  c = ctx.compute_dtype
+  saved = [regions.saved_in_compute_dtype(v, k, c) for v, k in zip(invals, kinds, strict=True)]
+  copies = [interp.compute_copy(v, c) for v, s in zip(invals, saved, strict=True) if s]
+  n = len(invals)
+
+  def body(*args: Any) -> list[Any]:
+    rest = iter(args[n:])
+    ins = [_rounded(x, next(rest)) if s else x for x, s in zip(args[:n], saved, strict=True)]
+    return loop.eval_jaxpr(ctx, jaxpr, (), ins, kinds)
+
   checkpointed = jax.checkpoint(
     body, prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"]
   )
-  return list(checkpointed(*invals))
+  return list(checkpointed(*invals, *copies))
+
+
+def name(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`checkpoint_name`: an activation is named as its 16-bit copy.
+
+  A remat policy that saves the named value (`save_only_these_names`) then
+  keeps 16 bits, where it would keep a product's float32 result; the forward
+  pass continues from the copy, and the gradient reaches the float32 value
+  unrounded (`_rounded`). Other values are named as they are.
+  """
+  (x,) = invals
+  c = ctx.compute_dtype
+  if not regions.saved_in_compute_dtype(x, interp.kind_of(x), c):
+    return interp.widest(ctx, eqn, invals)
+  (named,) = interp.bind(eqn, [interp.compute_copy(x, c)])
+  return [_rounded(x, named)]
+
+
+@jax.custom_jvp
+def _rounded(x: Any, copy: Any) -> Any:
+  """`x` rounded to its 16-bit `copy`'s precision, with the gradient of `x` itself.
+
+  Only the copy is read forward, so a checkpoint around it keeps the copy;
+  the tangent is `x`'s, so the gradient is not rounded on its way through.
+  """
+  return copy.astype(x.dtype)
+
+
+@_rounded.defjvp
+def _rounded_jvp(primals: tuple[Any, Any], tangents: tuple[Any, Any]) -> tuple[Any, Any]:
+  x, copy = primals
+  return copy.astype(x.dtype), tangents[0]
 
 
 def cond(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
@@ -144,20 +193,20 @@ def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   def first(carry: Sequence[Any]) -> list[Any]:  # one step, for the carry's types
     return body(carry, [x[0] for x in xs])[0]
 
-  dtypes = _carry_dtypes(first, init) if p["length"] else [interp.dtype_of(v) for v in init]
-
   def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
     new, y = body(carry, x)
     return interp.cast_all(new, dtypes), y
 
-  carry, ys = lax.scan(
-    step,
-    interp.cast_all(init, dtypes),
-    list(xs),
-    length=p["length"],
-    reverse=p["reverse"],
-    unroll=p["unroll"],
-  )
+  with interp.repeated(p["length"]):
+    dtypes = _carry_dtypes(first, init) if p["length"] else [interp.dtype_of(v) for v in init]
+    carry, ys = lax.scan(
+      step,
+      interp.cast_all(init, dtypes),
+      list(xs),
+      length=p["length"],
+      reverse=p["reverse"],
+      unroll=p["unroll"],
+    )
   return [*carry, *ys]
 
 

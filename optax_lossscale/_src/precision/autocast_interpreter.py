@@ -131,6 +131,25 @@ _COPIES: contextvars.ContextVar[dict[tuple[int, Any], tuple[Any, Any]] | None] =
 )
 
 
+# How many times the values of the running loop are kept (a scan's length: its
+# backward pass keeps every step's residuals, stacked).
+_REPEATS: contextvars.ContextVar[int] = contextvars.ContextVar("autocast_repeats", default=1)
+
+
+def repeats() -> int:
+  return _REPEATS.get()
+
+
+@contextlib.contextmanager
+def repeated(times: int) -> Any:
+  """Evaluates bodies whose residuals the backward pass keeps `times` over (a scan's)."""
+  token = _REPEATS.set(_REPEATS.get() * max(int(times), 1))
+  try:
+    yield
+  finally:
+    _REPEATS.reset(token)
+
+
 # Set while a region's body is evaluated: no region inside a region.
 _IN_REGION: contextvars.ContextVar[bool] = contextvars.ContextVar(
   "autocast_in_region", default=False

@@ -34,12 +34,25 @@ from optax_lossscale._src.precision import autocast_interpreter as interp
 from optax_lossscale._src.precision import fp8_product
 
 
-def out_dtype(eqn: Any, compute_dtype: np.dtype) -> np.dtype:
-  """The product's result type: the declared one when wider than the compute dtype."""
-  declared = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
-  declared = np.dtype(declared)
-  if jnp.issubdtype(declared, jnp.floating) and declared.itemsize > compute_dtype.itemsize:
-    return declared
+def out_dtype(eqn: Any) -> np.dtype:
+  """The product's result type: the one the function declared."""
+  return np.dtype(eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype)
+
+
+def operand_dtype(eqn: Any, invals: list[Any], compute_dtype: np.dtype) -> np.dtype:
+  """The compute dtype; or the function's own, for a product it declares on 16-bit operands.
+
+  A product written on bfloat16 operands (a `.astype(jnp.bfloat16)`, a Flax
+  `Dense(dtype=jnp.bfloat16)`) runs in bfloat16 whatever the policy says: an
+  explicit cast is kept (under `c=f16` it would overflow above 65504).
+  """
+  declared = {
+    np.dtype(var.aval.dtype)
+    for var, v in zip(eqn.invars, invals, strict=True)
+    if interp.is_float(v)
+  }
+  if len(declared) == 1 and next(iter(declared)).itemsize == 2:
+    return next(iter(declared))
   return compute_dtype
 
 
@@ -56,7 +69,7 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
       out = fp8_product.fp8_dot_general(
         *invals, dimension_numbers=dims, recipe=ctx.fp8, compute_dtype=c, out_dtype=c
       )
-      return [interp.cast(out, out_dtype(eqn, c))]
+      return [interp.cast(out, out_dtype(eqn))]
   floats = [v for v in invals if interp.is_float(v)]
   if not floats or any(interp.is_complex(v) for v in floats):
     return interp.as_written(ctx, eqn, invals)
@@ -66,8 +79,9 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   if isinstance(params.get("precision"), (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
     # An algorithm fixes the input types (XLA would cast ours back): drop it.
     params["precision"] = None
+  c = operand_dtype(eqn, invals, c)
   ops = [interp.compute_copy(v, c) if interp.is_float(v) else v for v in invals]
-  result = out_dtype(eqn, c)
+  result = out_dtype(eqn)
   if c.itemsize >= 4:
     return [eqn.primitive.bind(*ops, **{**params, "preferred_element_type": result})]
   try:

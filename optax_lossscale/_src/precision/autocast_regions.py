@@ -38,6 +38,7 @@ import jax.extend as jex
 import numpy as np
 
 from optax_lossscale._src.precision import autocast_interpreter as interp
+from optax_lossscale._src.precision import autocast_structure as structure
 from optax_lossscale._src.utils import compat
 
 Kind = interp.Kind
@@ -185,7 +186,12 @@ def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region
   )
   stacks = [e.source_info.name_stack for e in eqns]
   return Region(
-    tuple(eqns), tuple(invars), outvars, _structure(eqns, invars, outvars), _common(stacks), wrap
+    tuple(eqns),
+    tuple(invars),
+    outvars,
+    structure.run_key(eqns, invars, outvars),
+    _common(stacks),
+    wrap,
   )
 
 
@@ -198,31 +204,6 @@ def _common(stacks: Sequence[Any]) -> Any:
     while n and s.stack[:n] != first.stack[:n]:
       n -= 1
   return dataclasses.replace(first, stack=first.stack[:n])
-
-
-def _structure(eqns: Sequence[Any], invars: Sequence[Any], outvars: Sequence[Any]) -> Any:
-  """A hashable key equal for two runs that compute and return the same thing, or None."""
-  index = {v: i for i, v in enumerate(invars)}
-  parts: list[Any] = []
-  try:
-    for eqn in eqns:
-      if eqn.primitive.name == "custom_jvp_call":
-        return None  # its rule is a fresh thunk per call: no identity to cache by
-      refs = []
-      for v in eqn.invars:
-        if isinstance(v, jex.core.Literal):
-          refs.append(("literal", str(v.aval.dtype), np.asarray(v.val).tobytes()))
-        else:
-          refs.append(index[v])
-      for v in eqn.outvars:
-        index[v] = len(index)
-      params = tuple(sorted(eqn.params.items()))
-      part = (eqn.primitive, params, tuple(refs), len(eqn.outvars), eqn.ctx)
-      hash(part)
-      parts.append(part)
-  except (TypeError, ValueError):  # an unhashable parameter
-    return None
-  return tuple(parts), tuple(index[v] for v in outvars)  # which values leave the region
 
 
 def _kinds(ctx: interp.Context, jaxpr: Any, in_kinds: tuple[Kind, ...]) -> dict[Any, Kind]:
@@ -248,12 +229,17 @@ def _kinds(ctx: interp.Context, jaxpr: Any, in_kinds: tuple[Kind, ...]) -> dict[
 
 
 def saved_in_compute_dtype(value: Any, kind: Kind, compute_dtype: np.dtype) -> bool:
-  """Whether the backward pass keeps `value` as its compute-dtype copy."""
+  """Whether the backward pass keeps `value` as its compute-dtype copy.
+
+  An activation (kind ACT), real, wider than the compute dtype, and not
+  small: counted over a scan's steps, whose residuals the backward pass keeps
+  stacked.
+  """
   return (
     kind is Kind.ACT
     and interp.is_real_float(value)
     and interp.dtype_of(value).itemsize > compute_dtype.itemsize
-    and int(np.prod(np.shape(value))) >= MIN_SAVED_SIZE
+    and int(np.prod(np.shape(value))) * interp.repeats() >= MIN_SAVED_SIZE
   )
 
 

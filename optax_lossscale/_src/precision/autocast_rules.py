@@ -20,8 +20,9 @@ without), so a new release's primitive is caught by CI, not by a user.
   live inside a Pallas or Mosaic kernel's own jaxpr (which autocast never
   enters: `pallas_call` runs as written).
 
-The float32 and widest primitives (but `name`, which marks what a remat
-policy may save) join regions; everything else is a region boundary.
+The float32 and widest primitives join regions; everything else is a region
+boundary (`name`, `checkpoint_name`'s primitive, too: it marks what a remat
+policy may save).
 """
 
 from __future__ import annotations
@@ -66,8 +67,6 @@ WIDEST = (
   "philox4x32", "iota_2x32_shape", "rng_bit_generator",
 )  # fmt: skip
 
-# Exact, but a region boundary: `checkpoint_name` marks what a remat policy saves.
-WIDEST_BOUNDARIES = ("name",)
 
 # Linear algebra and the FFT: float32 (no 16-bit kernels), never recomputed.
 KERNELS = (
@@ -140,12 +139,14 @@ CONTROL: Mapping[str, interp.Rule] = {
   "scan": control.scan,
   "custom_jvp_call": control.custom_jvp,
   "shard_map": control.shard_map,
+  # exact, but a region boundary: `checkpoint_name` marks what a remat policy saves
+  "name": control.name,
 }
 
 KIND_OF: dict[str, str] = {
   **dict.fromkeys(COMPUTE, "compute"),
   **dict.fromkeys(FLOAT32 + KERNELS, "float32"),
-  **dict.fromkeys(WIDEST + WIDEST_BOUNDARIES, "widest"),
+  **dict.fromkeys(WIDEST, "widest"),
   **dict.fromkeys(INDEPENDENT, "independent"),
   **dict.fromkeys(AS_WRITTEN, "as_written"),
 }
