@@ -145,7 +145,7 @@ class StochasticRoundTest(parameterized.TestCase):
 
   def test_dtypes_other_than_bfloat16_and_float16_are_refused(self):
     for dtype in (jnp.float32, jnp.float8_e4m3fn, jnp.int16):
-      with self.assertRaisesRegex(ValueError, r"dtype must be bfloat16 or float16"):
+      with self.assertRaisesRegex(ValueError, r"dtype must be one of the dtypes bfloat16, float16"):
         ols.stochastic_round(jnp.ones(2), dtype, jax.random.key(0))
 
 

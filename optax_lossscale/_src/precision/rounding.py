@@ -33,22 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._src.utils import dtypes
+
 SUPPORTED = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _F32_MANT = 23
 
 
 def check_dtype(dtype: Any, what: str) -> np.dtype:
   """`dtype` as a NumPy dtype if stochastic rounding supports it, else a ValueError."""
-  try:
-    target = np.dtype(dtype)
-  except TypeError:
-    target = None
-  if target not in SUPPORTED:
-    raise ValueError(
-      f"{what} must be bfloat16 or float16, the dtypes stochastic rounding rounds to;"
-      f" got {dtype!r}."
-    )
-  return target
+  return dtypes.read_dtype(dtype, what, among=SUPPORTED)
 
 
 def round_with_bits(x: jax.Array, bits: jax.Array, dtype: Any) -> jax.Array:
