@@ -6,30 +6,33 @@ never crosses the leading axes a parameter is usually sharded along). Each
 block keeps one float32 scale, its largest magnitude, and one byte per
 element. Two formats:
 
-  'q8'   a logarithmic code relative to the block's largest magnitude `a`:
-         byte m > 0 stands for a * 2**(-(L - m) / k), byte 0 for zero.
-         8 codes per binade (k = 8). A block holding a negative value is
-         signed (a sign bit and 7 bits: L = 127, down to 2**-15.75 * a); a
-         block of non-negative values (Adam's second moment) is unsigned
-         (L = 255, down to 2**-31.75 * a). The scale's sign says which.
-  'fp8'  float8_e4m3fn values of x / (a / 448): e4m3's 3-bit mantissa over
-         the block's range.
+  'q8'   a dynamic-exponent code of |x| / a, `a` the block's largest
+         magnitude: a binary exponent and 3 mantissa bits, counted down from
+         a itself (the top code, exact), 8 codes per binade. A block holding
+         a negative value is signed (a sign bit and 7 bits: 127 codes, down
+         to 1.25 * 2**-16 * a); a block of non-negative values (Adam's second
+         moment) is unsigned (255 codes, down to 1.25 * 2**-32 * a). The
+         scale's sign says which. Byte 0 is zero.
+  'fp8'  float8_e4m3fn values of x / (a / 448): e4m3 over the block's range
+         (with its subnormals).
 
-Rounding is to the nearest code (in log2 for 'q8'), except that a nonzero
-value never becomes zero: below the smallest code it takes the smallest code
-of its sign. (A second moment rounded to zero would turn Adam's update into
-m / eps.) The bound this gives, for every element x of a block with largest
-magnitude a (`ERROR_BOUNDS`):
+Both are integer work on float32 bits or one conversion: no logarithm.
+Rounding is to the nearest code (half up for 'q8', half to even for 'fp8'),
+except that a nonzero value never becomes zero: below the smallest code it
+takes the smallest code of its sign (a second moment rounded to zero would
+turn Adam's update into m / eps). The bound this gives, for every element x
+of a block with largest magnitude a (`ERROR_BOUNDS`):
 
   |dequantize(quantize(x)) - x| <= max(rel * |x|, floor * a)
 
-  q8 signed:    rel = 2**(1/16) - 1 = 0.0443  floor = 2**-15.75 = 1.8e-5
-  q8 unsigned:  rel = 2**(1/16) - 1 = 0.0443  floor = 2**-31.75 = 2.8e-10
-  fp8:          rel = 2**-4 = 0.0625           floor = 2**-9 / 448 = 4.4e-6
+  q8 signed:    rel = 2**-4 = 0.0625   floor = 1.25 * 2**-16 = 1.9e-5
+  q8 unsigned:  rel = 2**-4 = 0.0625   floor = 1.25 * 2**-32 = 2.9e-10
+  fp8:          rel = 2**-4 = 0.0625   floor = 2**-9 / 448 = 4.4e-6
 
-(plus float32's own rounding, below 1e-6 relative). The largest magnitude of
-a block is stored exactly. A block holding a NaN or an infinity comes back
-as NaN.
+(the relative error is half a step of the 3-bit mantissa, at most 2**-4 at
+the bottom of a binade and 2**-5 at its top), plus float32's own rounding
+(below 1e-6 relative). The largest magnitude of a block is stored exactly.
+A block holding a NaN or an infinity comes back as NaN.
 """
 
 from __future__ import annotations
@@ -45,13 +48,16 @@ BLOCK = 256
 FORMATS = ("q8", "fp8")
 _FP8 = np.dtype(jnp.float8_e4m3fn)
 _FP8_MAX = 448.0
-# (levels L, steps per binade k) of the signed and the unsigned 'q8' code.
-_SIGNED, _UNSIGNED = (127, 8), (255, 8)
+# The top 12 bits of 1.0 in float32 (sign, exponent, 3 mantissa bits): the
+# code of a block's largest magnitude, before the offset to its top code.
+_ONE = 0x3F8
+_SHIFT = 20  # float32's mantissa bits below the 3 kept
+_SIGNED, _UNSIGNED = 127, 255  # top codes
 
 #: format -> (rel, floor) of the bound above, with float32's rounding added.
 ERROR_BOUNDS = {
-  "q8 signed": (2 ** (1 / 16) - 1 + 1e-6, 2 ** (-(_SIGNED[0] - 1) / _SIGNED[1])),
-  "q8 unsigned": (2 ** (1 / 16) - 1 + 1e-6, 2 ** (-(_UNSIGNED[0] - 1) / _UNSIGNED[1])),
+  "q8 signed": (2**-4 + 1e-6, 1.25 * 2**-16),
+  "q8 unsigned": (2**-4 + 1e-6, 1.25 * 2**-32),
   "fp8": (2**-4 + 1e-6, 2**-9 / _FP8_MAX),
 }
 
@@ -131,9 +137,8 @@ def _from_blocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def _largest(blocks: jax.Array) -> jax.Array:
   """Each block's largest magnitude, NaN where the block holds a NaN or an infinity."""
-  largest = jnp.max(jnp.abs(blocks), axis=-1)
-  finite = jnp.all(jnp.isfinite(blocks), axis=-1)
-  return jnp.where(finite, largest, jnp.float32(jnp.nan))
+  largest = jnp.max(jnp.abs(blocks), axis=-1)  # NaN if any is (lax.max propagates it)
+  return jnp.where(jnp.isfinite(largest), largest, jnp.float32(jnp.nan))
 
 
 def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
@@ -145,19 +150,19 @@ def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
   safe = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)[..., None]
   if fmt == "fp8":
     scale = safe / _FP8_MAX
-    codes = (blocks / scale).astype(_FP8)
-    tiny = jnp.asarray(2.0**-9, _FP8)
-    codes = jnp.where((codes == 0) & (blocks != 0), jnp.where(blocks < 0, -tiny, tiny), codes)
+    scaled = blocks / scale
+    # Below e4m3's smallest subnormal, 2**-9 (from 2**-10 down it would round to 0).
+    tiny = (scaled != 0) & (jnp.abs(scaled) < 2.0**-9)
+    codes = jnp.where(tiny, jnp.copysign(jnp.float32(2.0**-9), scaled), scaled).astype(_FP8)
     scales = jnp.where(jnp.isnan(largest), largest, scale[..., 0])
     return QuantizedArray(_from_blocks(codes, x.shape), scales)
-  signed = jnp.any(blocks < 0, axis=-1, keepdims=True)
-  levels = jnp.where(signed, float(_SIGNED[0]), float(_UNSIGNED[0]))
-  steps = jnp.where(signed, float(_SIGNED[1]), float(_UNSIGNED[1]))
+  signed = jnp.min(blocks, axis=-1, keepdims=True) < 0  # (a reduction of bools is slower)
+  top = jnp.where(signed, _SIGNED, _UNSIGNED)
   magnitude = jnp.abs(blocks)
-  below_top = jnp.round(-jnp.log2(magnitude / safe) * steps)  # inf for a zero
-  m = jnp.clip(levels - below_top, 1.0, levels)
-  m = jnp.where(magnitude > 0, m, 0.0).astype(jnp.uint32)
-  codes = jnp.where(signed & (blocks < 0), m | np.uint32(0x80), m).astype(jnp.uint8)
+  bits = jax.lax.bitcast_convert_type(magnitude / safe, jnp.uint32)
+  above = ((bits + np.uint32(1 << (_SHIFT - 1))) >> _SHIFT).astype(jnp.int32)  # half up
+  m = jnp.where(magnitude > 0, jnp.clip(above - (_ONE - top), 1, top), 0)
+  codes = jnp.where(signed & (blocks < 0), m | 0x80, m).astype(jnp.uint8)
   scales = jnp.where(signed[..., 0], -largest, largest)
   return QuantizedArray(_from_blocks(codes, x.shape), scales)
 
@@ -172,9 +177,9 @@ def dequantize(q: QuantizedArray) -> jax.Array:
   codes = codes.astype(jnp.int32)
   signed = jnp.signbit(scale)
   m = jnp.where(signed, codes & 0x7F, codes)
-  levels = jnp.where(signed, _SIGNED[0], _UNSIGNED[0])
-  steps = jnp.where(signed, float(_SIGNED[1]), float(_UNSIGNED[1]))
-  value = jnp.where(m > 0, jnp.exp2((m - levels).astype(jnp.float32) / steps), 0.0)
+  bits = (m + (_ONE - jnp.where(signed, _SIGNED, _UNSIGNED))) << _SHIFT
+  value = jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+  value = jnp.where(m > 0, value, 0.0)
   value = value * jnp.abs(scale)
   negative = signed & (codes >= 0x80)
   return _from_blocks(jnp.where(negative, -value, value), shape)

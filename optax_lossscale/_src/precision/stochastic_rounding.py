@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 from optax_lossscale._src.precision import master_weights as master_lib
-from optax_lossscale._src.precision import param_write, rounding
+from optax_lossscale._src.precision import param_write, quantize, rounding
 from optax_lossscale._src.step import composition, skip_branch
 from optax_lossscale._src.utils import params_check
 
@@ -200,7 +200,14 @@ def stochastic_rounding(
       grads, "stochastic_rounding", "It has no float32 value to round."
     )
     params_check.check_params_are_arrays(params, "stochastic_rounding.update")
-    updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    # The inner transformation computes in float32 (16-bit arithmetic is no more
+    # exact, and on a CPU slower); its state is stored back in its own dtypes.
+    updates, inner_state = inner.update(
+      _widened(grads), _widened(state.inner_state), _widened(params), **extra_args
+    )
+    inner_state = jax.tree.map(
+      _narrowed, inner_state, state.inner_state, is_leaf=quantize.is_quantized
+    )
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     typed = jax.random.wrap_key_data(state.key, **({} if impl is None else {"impl": impl}))
     step_key, next_key = jax.random.split(typed)
@@ -212,7 +219,7 @@ def stochastic_rounding(
         continue
       p = jnp.asarray(p)
       exact = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
-      bits = jax.random.bits(_leaf_key(step_key, i, p), p.shape, jnp.uint32)
+      bits = rounding.hash_bits(_leaf_seed(step_key, i, p), p.shape)
       new_params.append(rounding.round_with_bits(exact, bits, p.dtype))
       own_updates.append(None)
     new_state = StochasticRoundingState(inner_state, jax.random.key_data(next_key))
@@ -222,9 +229,29 @@ def stochastic_rounding(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _leaf_key(step_key: jax.Array, index: int, param: jax.Array) -> jax.Array:
-  """The key of the `index`-th leaf; inside `shard_map`, of this shard of it."""
+def _widened(tree: Any) -> Any:
+  """`tree` with its floating leaves narrower than float32 in float32 (quantized ones kept)."""
+
+  def one(x: Any) -> Any:
+    if quantize.is_quantized(x) or not hasattr(x, "dtype"):
+      return x
+    if jnp.issubdtype(x.dtype, jnp.floating) and np.dtype(x.dtype).itemsize < 4:
+      return x.astype(jnp.float32)
+    return x
+
+  return jax.tree.map(one, tree, is_leaf=quantize.is_quantized)
+
+
+def _narrowed(new: Any, old: Any) -> Any:
+  """A new state leaf back in the dtype of the old one (round to nearest)."""
+  if quantize.is_quantized(new) or not hasattr(old, "dtype") or not hasattr(new, "dtype"):
+    return new
+  return new.astype(old.dtype) if new.dtype != old.dtype else new
+
+
+def _leaf_seed(step_key: jax.Array, index: int, param: jax.Array) -> jax.Array:
+  """Two uint32 words for the `index`-th leaf; inside `shard_map`, for this shard of it."""
   key = jax.random.fold_in(step_key, index)
   for axis in sorted(skip_branch.varying_axes(param), key=str):
     key = jax.random.fold_in(key, jax.lax.axis_index(axis))
-  return key
+  return jax.random.bits(key, (2,), jnp.uint32)
