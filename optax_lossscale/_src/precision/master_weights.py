@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lossscale._src.precision import param_write
+from optax_lossscale._src.precision import param_write, rounding
 from optax_lossscale._src.step import composition, conditional_step
 from optax_lossscale._src.utils import dtypes, params_check
 
@@ -69,36 +69,6 @@ def _check_store(store: Any, master_dtype: np.dtype) -> str:
       f" master_dtype must then be float32, got {master_dtype}."
     )
   return store
-
-
-def join(param: jax.Array, remainder: jax.Array) -> jax.Array:
-  """The float32 master of a bfloat16 `param` and its int16 `remainder`.
-
-  The master's bits are the parameter's, shifted up 16, plus the remainder
-  (a signed difference of bit patterns, wrapping as uint32 arithmetic does).
-  """
-  high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
-  low = jax.lax.bitcast_convert_type(remainder.astype(jnp.int32), jnp.uint32)
-  return jax.lax.bitcast_convert_type(high + low, jnp.float32)
-
-
-def split(master: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`(param, remainder)`: the bfloat16 rounding of a float32 `master` and what `join` needs.
-
-  The parameter is `master.astype(bfloat16)` (round to nearest, ties to even).
-  The difference of bit patterns `master - param << 16` lies in [-2**15, 2**15]:
-  int16 holds all of it but +2**15, a master exactly halfway above an even
-  parameter (its low 16 bits 0x8000, rounded down). No 16 bits can hold that
-  one: 2**16 + 1 float32 values round to each even bfloat16 value. There the
-  remainder is 2**15 - 1, the master one float32 ulp below the tie, which
-  still rounds to the same parameter.
-  """
-  param = master.astype(jnp.bfloat16)
-  high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
-  diff = jax.lax.bitcast_convert_type(
-    jax.lax.bitcast_convert_type(master, jnp.uint32) - high, jnp.int32
-  )
-  return param, jnp.clip(diff, -(2**15), 2**15 - 1).astype(jnp.int16)
 
 
 def check_inner(inner: Any, kind: str) -> optax.GradientTransformation:
@@ -290,7 +260,7 @@ def master_weights(
       for g, m in zip(treedef.flatten_up_to(grads), masters, strict=True)
     ]
     on_master = [
-      p if m is None else m if store == "copy" else join(p, m)
+      p if m is None else m if store == "copy" else rounding.join_bfloat16(p, m)
       for p, m in zip(leaves, masters, strict=True)
     ]
     stepped, updates, inner_state = param_write.inner_step(
@@ -312,7 +282,7 @@ def master_weights(
         new_params.append(s.astype(jnp.result_type(p)))
         new_master.append(s)
       else:
-        new_params.extend(split(s))
+        new_params.extend(rounding.split_bfloat16(s))
         new_master.append(new_params.pop())
       own_updates.append(u if m is None else None)
     return (

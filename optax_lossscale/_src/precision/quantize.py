@@ -37,6 +37,7 @@ A block holding a NaN or an infinity comes back as NaN.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -141,6 +142,8 @@ def _largest(blocks: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(largest), largest, jnp.float32(jnp.nan))
 
 
+# Compiled: an eager `init` then runs one program per leaf shape, not each small op.
+@functools.partial(jax.jit, static_argnums=1)
 def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
   """`x` (any floating dtype; computed in float32) in the format `fmt`."""
   if fmt not in FORMATS:
@@ -167,6 +170,7 @@ def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
   return QuantizedArray(_from_blocks(codes, x.shape), scales)
 
 
+@jax.jit
 def dequantize(q: QuantizedArray) -> jax.Array:
   """The float32 array `q` stands for."""
   shape = tuple(q.codes.shape)

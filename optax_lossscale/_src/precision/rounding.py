@@ -23,6 +23,11 @@ the largest finite one rounds to infinity with the probability it would
 round up there (float16: `(x - 65504) / 32`, 1 at 65536 and beyond), as
 round-to-nearest overflows from 65520 on; infinities and NaNs stay what they
 are, zeros keep their sign.
+
+Also here, the other ways a float32 value becomes 16 bits in this package:
+`hash_bits`, the cheap random bits `stochastic_rounding` rounds with, and
+`split_bfloat16` / `join_bfloat16`, a float32 master as its bfloat16 rounding
+and a 16-bit remainder (`master_weights(store='remainder')`).
 """
 
 from __future__ import annotations
@@ -104,6 +109,36 @@ def _round_narrower_exponent(raw: jax.Array, bits: jax.Array, target: np.dtype) 
   out = jnp.where(normal, (base << nmant) + k, k)
   out = jnp.where((exponent > emax) | (field == 0xFF), inf_bits, out)
   return out
+
+
+def join_bfloat16(param: jax.Array, remainder: jax.Array) -> jax.Array:
+  """The float32 master of a bfloat16 `param` and its int16 `remainder`.
+
+  The master's bits are the parameter's, shifted up 16, plus the remainder
+  (a signed difference of bit patterns, wrapping as uint32 arithmetic does).
+  """
+  high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
+  low = jax.lax.bitcast_convert_type(remainder.astype(jnp.int32), jnp.uint32)
+  return jax.lax.bitcast_convert_type(high + low, jnp.float32)
+
+
+def split_bfloat16(master: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(param, remainder)`: a float32 `master` rounded to bfloat16, and the rest of it.
+
+  The parameter is `master.astype(bfloat16)` (round to nearest, ties to even).
+  The difference of bit patterns `master - param << 16` lies in [-2**15, 2**15]:
+  int16 holds all of it but +2**15, a master exactly halfway above an even
+  parameter (its low 16 bits 0x8000, rounded down). No 16 bits can hold that
+  one: 2**16 + 1 float32 values round to each even bfloat16 value. There the
+  remainder is 2**15 - 1, the master one float32 ulp below the tie, which
+  still rounds to the same parameter.
+  """
+  param = master.astype(jnp.bfloat16)
+  high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
+  diff = jax.lax.bitcast_convert_type(
+    jax.lax.bitcast_convert_type(master, jnp.uint32) - high, jnp.int32
+  )
+  return param, jnp.clip(diff, -(2**15), 2**15 - 1).astype(jnp.int16)
 
 
 def _mix(x: jax.Array) -> jax.Array:
