@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._src.precision import rounding
+
 BLOCK = 256
 FORMATS = ("q8", "fp8")
 _FP8 = np.dtype(jnp.float8_e4m3fn)
@@ -120,6 +122,26 @@ def _layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int]:
   return tuple(shape[:lead]), row, max(1, math.ceil(row / BLOCK))
 
 
+def _rows_unsharded(x: jax.Array) -> tuple[jax.Array, Any]:
+  """`x` with the axes its rows of blocks span unsharded, and the sharding it had.
+
+  Only for an array whose type carries its sharding over Explicit mesh axes
+  (`jax.make_mesh`'s default), where a reshape across a sharded axis must be
+  told its result's sharding: such rows are gathered for the quantization
+  (a block spans shards there anyway). Otherwise `(x, None)`: under `jit`
+  the compiler places the blocks, within the shards of the leading axes.
+  """
+  sharding = rounding.explicit_sharding(x)
+  if sharding is None:
+    return x, None
+  lead = len(_layout(x.shape)[0])
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  if all(axis is None for axis in spec[lead:]):
+    return x, None
+  rows = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:lead]))
+  return jax.sharding.reshard(x, rows), sharding
+
+
 def _to_blocks(x: jax.Array) -> jax.Array:
   lead, row, blocks = _layout(x.shape)
   x = x.reshape(*lead, row)
@@ -148,7 +170,8 @@ def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
   """`x` (any floating dtype; computed in float32) in the format `fmt`."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {FORMATS}; got {fmt!r}.")
-  blocks = _to_blocks(jnp.asarray(x).astype(jnp.float32))
+  x, sharding = _rows_unsharded(jnp.asarray(x))
+  blocks = _to_blocks(x.astype(jnp.float32))
   largest = _largest(blocks)
   safe = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)[..., None]
   if fmt == "fp8":
@@ -158,7 +181,7 @@ def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
     tiny = (scaled != 0) & (jnp.abs(scaled) < 2.0**-9)
     codes = jnp.where(tiny, jnp.copysign(jnp.float32(2.0**-9), scaled), scaled).astype(_FP8)
     scales = jnp.where(jnp.isnan(largest), largest, scale[..., 0])
-    return QuantizedArray(_from_blocks(codes, x.shape), scales)
+    return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales)
   signed = jnp.min(blocks, axis=-1, keepdims=True) < 0  # (a reduction of bools is slower)
   top = jnp.where(signed, _SIGNED, _UNSIGNED)
   magnitude = jnp.abs(blocks)
@@ -167,7 +190,7 @@ def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
   m = jnp.where(magnitude > 0, jnp.clip(above - (_ONE - top), 1, top), 0)
   codes = jnp.where(signed & (blocks < 0), m | 0x80, m).astype(jnp.uint8)
   scales = jnp.where(signed[..., 0], -largest, largest)
-  return QuantizedArray(_from_blocks(codes, x.shape), scales)
+  return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales)
 
 
 @jax.jit
@@ -175,9 +198,10 @@ def dequantize(q: QuantizedArray) -> jax.Array:
   """The float32 array `q` stands for."""
   shape = tuple(q.codes.shape)
   scale = q.scales[..., None]
-  codes = _to_blocks(q.codes)
+  codes, sharding = _rows_unsharded(q.codes)
+  codes = _to_blocks(codes)
   if np.dtype(q.codes.dtype) == _FP8:
-    return _from_blocks(codes.astype(jnp.float32) * scale, shape)
+    return _resharded(_from_blocks(codes.astype(jnp.float32) * scale, shape), sharding)
   codes = codes.astype(jnp.int32)
   signed = jnp.signbit(scale)
   m = jnp.where(signed, codes & 0x7F, codes)
@@ -186,4 +210,8 @@ def dequantize(q: QuantizedArray) -> jax.Array:
   value = jnp.where(m > 0, value, 0.0)
   value = value * jnp.abs(scale)
   negative = signed & (codes >= 0x80)
-  return _from_blocks(jnp.where(negative, -value, value), shape)
+  return _resharded(_from_blocks(jnp.where(negative, -value, value), shape), sharding)
+
+
+def _resharded(x: jax.Array, sharding: Any) -> jax.Array:
+  return x if sharding is None else jax.sharding.reshard(x, sharding)

@@ -235,7 +235,8 @@ def stochastic_rounding(
         continue
       p = jnp.asarray(p)
       exact = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
-      bits = rounding.hash_bits(_leaf_seed(step_key, i, p), p.shape)
+      seed = _leaf_seed(step_key, i, p)
+      bits = rounding.hash_bits(seed, p.shape, rounding.explicit_sharding(p))
       new_params.append(rounding.round_with_bits(exact, bits, p.dtype))
       own_updates.append(None)
     new_state = StochasticRoundingState(inner_state, jax.random.key_data(next_key))
