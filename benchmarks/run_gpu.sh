@@ -11,7 +11,10 @@
 # the branch on the device; then the GPU-size LM (186M parameters) alone, with
 # the finiteness-read floor (--gpu-size); then the bfloat16-parameter benchmark
 # (benchmarks/low_precision_params.py: final loss, bytes per parameter and step
-# time of master weights, stochastic rounding and Kahan against plain bfloat16),
+# time of master weights (a full copy or a 16-bit remainder), stochastic rounding,
+# 8-bit moments and Kahan against plain bfloat16; the optimizer update alone on
+# 1M parameters against bare Adam and master_weights; bytes per parameter of
+# the LM and of GPT-2 small's shapes),
 # and autocast against hand casts on the 186M LM (benchmarks/autocast_bench.py).
 # Writes gpu.json/png, gpu-cmdbuf.json/png, gpu-large.json, BENCHMARKS-gpu.md
 # (three result blocks), dispatch.txt (Python per dispatched call),
