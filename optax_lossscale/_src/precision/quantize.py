@@ -32,7 +32,10 @@ of a block with largest magnitude a (`ERROR_BOUNDS`):
 (the relative error is half a step of the 3-bit mantissa, at most 2**-4 at
 the bottom of a binade and 2**-5 at its top), plus float32's own rounding
 (below 1e-6 relative). The largest magnitude of a block is stored exactly.
-A block holding a NaN or an infinity comes back as NaN.
+A block holding a NaN or an infinity comes back as NaN; a block whose largest
+magnitude is below 2**-100 (7.9e-31) comes back as zeros: its quotients would
+reach float32's subnormals, which XLA:CPU flushes to zero (a moment decaying
+there, as Adam's of a weight no longer used, would have turned into x / 0).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ _FP8_MAX = 448.0
 _ONE = 0x3F8
 _SHIFT = 20  # float32's mantissa bits below the 3 kept
 _SIGNED, _UNSIGNED = 127, 255  # top codes
+_NEGLIGIBLE = 2.0**-100  # a block below this largest magnitude is stored as zeros
 
 #: format -> (rel, floor) of the bound above, with float32's rounding added.
 ERROR_BOUNDS = {
@@ -173,21 +177,25 @@ def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
   x, sharding = _rows_unsharded(jnp.asarray(x))
   blocks = _to_blocks(x.astype(jnp.float32))
   largest = _largest(blocks)
-  safe = jnp.where((largest > 0) & jnp.isfinite(largest), largest, 1.0)[..., None]
+  # A block whose largest magnitude is below _NEGLIGIBLE is stored as zero: its
+  # quotients would meet float32's subnormals, which a CPU may flush (x / 0).
+  kept = largest >= _NEGLIGIBLE  # False for NaN
+  largest = jnp.where(kept | jnp.isnan(largest), largest, 0.0)
+  safe = jnp.where(kept, largest, 1.0)[..., None]
   if fmt == "fp8":
     scale = safe / _FP8_MAX
-    scaled = blocks / scale
+    scaled = jnp.where(kept[..., None], blocks / scale, 0.0)
     # Below e4m3's smallest subnormal, 2**-9 (from 2**-10 down it would round to 0).
     tiny = (scaled != 0) & (jnp.abs(scaled) < 2.0**-9)
     codes = jnp.where(tiny, jnp.copysign(jnp.float32(2.0**-9), scaled), scaled).astype(_FP8)
-    scales = jnp.where(jnp.isnan(largest), largest, scale[..., 0])
+    scales = jnp.where(kept, scale[..., 0], largest)  # 0, or NaN for a non-finite block
     return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales)
   signed = jnp.min(blocks, axis=-1, keepdims=True) < 0  # (a reduction of bools is slower)
   top = jnp.where(signed, _SIGNED, _UNSIGNED)
   magnitude = jnp.abs(blocks)
   bits = jax.lax.bitcast_convert_type(magnitude / safe, jnp.uint32)
   above = ((bits + np.uint32(1 << (_SHIFT - 1))) >> _SHIFT).astype(jnp.int32)  # half up
-  m = jnp.where(magnitude > 0, jnp.clip(above - (_ONE - top), 1, top), 0)
+  m = jnp.where((magnitude > 0) & kept[..., None], jnp.clip(above - (_ONE - top), 1, top), 0)
   codes = jnp.where(signed & (blocks < 0), m | 0x80, m).astype(jnp.uint8)
   scales = jnp.where(signed[..., 0], -largest, largest)
   return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales)
