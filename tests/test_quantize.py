@@ -3,13 +3,15 @@
 The codes are checked against an independent reference: NumPy enumerates
 every code value a block can hold (`code_values`, from the documented
 definition: 8 codes per binade counted down from the block's largest
-magnitude) and picks the nearest, ties up; `quantize` must pick the same
-byte. The round-trip error is checked against the bound the module states
-(`quantize.ERROR_BOUNDS`), on N(0, 1), on its squares and on a block with one
-outlier 1e4 times the rest.
+magnitude); `quantize` must pick one of the two around each value, the upper
+as often as unbiased rounding does. The round-trip error is checked against
+the bound the module states (`quantize.ERROR_BOUNDS`), on N(0, 1), on its
+squares and on a block with one outlier 1e4 times the rest.
 """
 
 from __future__ import annotations
+
+import zlib
 
 from absl.testing import parameterized
 import chex
@@ -45,18 +47,11 @@ def code_values(top: int) -> np.ndarray:
   return np.array([0.0, *values[::-1]])
 
 
-def reference_codes(x: np.ndarray) -> np.ndarray:
-  """'q8' codes of one block by nearest-value search (ties up), never zero for nonzero x."""
-  largest = np.abs(x).max()
-  signed = (x < 0).any()
-  top = 127 if signed else 255
-  table = code_values(top)
-  r = np.abs(x).astype(np.float32) / np.float32(largest)  # float32, as the code divides
-  distance = np.abs(r[:, None].astype(np.float64) - table[None, :])
-  best = np.argmin(distance[:, ::-1], axis=1)  # the last of equals: ties go up
-  m = top - best
-  m = np.where(x != 0, np.maximum(m, 1), 0)
-  return np.where(signed & (x < 0), m | 0x80, m).astype(np.uint8)
+def neighbours(r: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The table's values around each r (both the value itself when it is in the table)."""
+  upper = np.searchsorted(table, r, side="left")
+  lower = np.where(table[np.minimum(upper, len(table) - 1)] == r, upper, upper - 1)
+  return table[np.maximum(lower, 0)], table[np.minimum(upper, len(table) - 1)]
 
 
 def block_max(x: np.ndarray, width: int = 256) -> np.ndarray:
@@ -83,7 +78,7 @@ class BoundTest(parameterized.TestCase):
     self.assertTrue(np.all(error <= bound), float(np.max(error / bound)))
     # Not a vacuous bound: most elements err by a few percent, some near the bound.
     relative = error / np.abs(x)
-    self.assertLess(float(np.median(relative)), 0.03)
+    self.assertLess(float(np.median(relative)), 0.035)
     self.assertGreater(float(np.max(error / bound)), 0.9)
     # The largest magnitude of each block survives exactly ('q8'), and no nonzero
     # element became zero.
@@ -103,22 +98,61 @@ class BoundTest(parameterized.TestCase):
     )
     self.assertGreater(small.mean(), 0.8)
 
-  def test_codes_are_the_nearest_code_of_an_independent_table(self):
-    # Two blocks: signed (N(0,1)) and unsigned (squares, down to 1e-12 of the max).
-    signed = NORMAL[0, :256]
-    unsigned = np.concatenate([NORMAL[1, :200] ** 2, 10.0 ** -RNG.uniform(0, 12, 56)])
-    for block in (signed, unsigned.astype(np.float32)):
-      got = np.asarray(quantize_(jnp.asarray(block), "q8").codes)
-      np.testing.assert_array_equal(got, reference_codes(block))
+  def test_codes_are_a_neighbour_in_an_independent_table_unbiased(self):
+    # Signed blocks (N(0,1)) and unsigned ones (squares, down to 1e-12 of the max).
+    unsigned = np.concatenate([NORMAL[:, :200] ** 2, 10.0 ** -RNG.uniform(0, 12, (32, 56))], 1)
+    for x, top in ((NORMAL[:, :256], 127), (unsigned.astype(np.float32), 255)):
+      q = quantize_(jnp.asarray(x), "q8")
+      codes = np.asarray(q.codes).astype(np.int64)
+      table = code_values(top)
+      m = codes & 0x7F if top == 127 else codes
+      np.testing.assert_array_equal(np.sign(x) < 0, (codes >= 0x80) if top == 127 else False)
+      r = np.abs(x) / np.abs(x).max(axis=1, keepdims=True).astype(np.float32)
+      lower, upper = neighbours(r.astype(np.float64), table)
+      got = table[m]
+      # Below the smallest code: the smallest code (never zero).
+      lower = np.where(r < table[1], table[1], lower)
+      upper = np.where(r < table[1], table[1], upper)
+      self.assertTrue(np.all((got == lower) | (got == upper)))
+      # Up with probability (r - lower) / (upper - lower): over 8192 elements
+      # the mean of (got - r) / step is 0 within five standard errors.
+      step = upper - lower
+      inside = step > 0
+      self.assertGreater(inside.mean(), 0.9)
+      bias = np.mean((got - r)[inside] / step[inside])
+      self.assertLess(abs(bias), 5 * 0.5 / np.sqrt(inside.sum()))
 
-  def test_fp8_codes_are_e4m3_of_the_block_scaled_to_448(self):
+  def test_fp8_codes_are_an_e4m3_neighbour_of_the_block_scaled_to_448(self):
     x = NORMAL[:4]
     q = quantize_(jnp.asarray(x), "fp8")
     self.assertEqual(q.codes.dtype, jnp.float8_e4m3fn)
-    scale = block_max(x) / np.float32(448)
-    expected = (x / scale).astype(ml_dtypes.float8_e4m3fn)
-    expected = np.where((expected == 0) & (x != 0), np.sign(x) * 2.0**-9, expected)
-    np.testing.assert_array_equal(np.asarray(q.codes, np.float32), expected.astype(np.float32))
+    y = (x / (block_max(x) / np.float32(448))).astype(np.float32)
+    near = y.astype(ml_dtypes.float8_e4m3fn)
+    away = np.nextafter(near, np.where(near.astype(np.float32) < y, 448, -448).astype(near.dtype))
+    got = np.asarray(q.codes)
+    self.assertTrue(np.all((got == near) | (got == away) | ((near == 0) & (np.abs(got) == 2**-9))))
+    np.testing.assert_allclose(np.asarray(q.scales), block_max(x)[:, ::256] / 448, rtol=1e-7)
+
+  def test_a_moving_average_stored_in_8_bits_follows_the_float32_one(self):
+    # Adam's second moment moves by 0.1% of itself a step, below half a code step
+    # (3% to 6%): rounded to nearest it would stay where it is. Each element starts
+    # at 1.0, its block's largest at 2.0 (held), and sees g**2 = 0.5 every step.
+    def run(fmt):
+      def step(q, _):
+        nu = quantize.dequantize(q)
+        return quantize.quantize(0.999 * nu + 0.001 * target, fmt, q.count + 1), None
+
+      start = np.ones((16, 256), np.float32)
+      start[:, 0] = 2.0
+      target = np.full((16, 256), 0.5, np.float32)
+      target[:, 0] = 2.0
+      q, _ = jax.lax.scan(step, quantize.quantize(jnp.asarray(start), fmt), None, length=2000)
+      return quantize.dequantize(q)[:, 1:]
+
+    expected = 0.5 + 0.5 * 0.999**2000  # 0.568
+    for fmt in quantize.FORMATS:
+      got = np.asarray(jax.jit(run, static_argnums=0)(fmt))
+      self.assertAlmostEqual(float(got.mean()), expected, delta=0.01)
 
 
 class LayoutTest(parameterized.TestCase):
@@ -137,7 +171,7 @@ class LayoutTest(parameterized.TestCase):
       self.assertEqual(q.scales.shape, scales_shape)
       self.assertEqual(q.scales.dtype, jnp.float32)
       back = dequantize_(q)
-      chex.assert_trees_all_close(back, x, rtol=0.07, atol=1e-3)
+      chex.assert_trees_all_close(back, x, rtol=0.13, atol=1e-3)
 
   def test_a_block_keeps_its_own_scale_and_sign(self):
     x = np.concatenate([np.linspace(0.0, 1.0, 256), -np.linspace(0, 1e-3, 256)]).astype(np.float32)
@@ -159,7 +193,7 @@ class LayoutTest(parameterized.TestCase):
       back = np.asarray(dequantize_(quantize_(jnp.asarray(x), fmt)))
       np.testing.assert_array_equal(back[[0, 3]], 0.0)
       self.assertTrue(np.all(np.isnan(back[1:3])))
-      np.testing.assert_allclose(back[4], x[4], rtol=0.07, atol=1e-29 * 2e-5)
+      np.testing.assert_allclose(back[4], x[4], rtol=0.13, atol=1e-29 * 2e-5)
 
 
 def params_of(dtype=jnp.float32):
@@ -195,15 +229,19 @@ class StateDtypesTest(parameterized.TestCase):
     step = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
 
     @jax.jit
-    def ref_step(g, s, p):
+    def ref_step(g, s, p, count):
+      # The k-th quantization of a leaf keys its rounding with k (init's is the 0th) and
+      # with the crc32 of the leaf's path in the state.
       u, s = adam.update(g, s, p)
-      mu = {**s[0].mu, "w": quantize.dequantize(quantize.quantize(s[0].mu["w"], "q8"))}
-      nu = {**s[0].nu, "w": quantize.dequantize(quantize.quantize(s[0].nu["w"], "fp8"))}
+      q = lambda x, fmt, path: quantize.quantize(x, fmt, count, np.uint32(zlib.crc32(path)))
+      mu = {**s[0].mu, "w": quantize.dequantize(q(s[0].mu["w"], "q8", b"[0].mu['w']"))}
+      nu = {**s[0].nu, "w": quantize.dequantize(q(s[0].nu["w"], "fp8", b"[0].nu['w']"))}
       return optax.apply_updates(p, u), (s[0]._replace(mu=mu, nu=nu), *s[1:])
 
     for i in range(5):
       params, state = step(grads_at(i), state, params)
-      ref_params, ref_state = ref_step(grads_at(i), ref_state, ref_params)
+      ref_params, ref_state = ref_step(grads_at(i), ref_state, ref_params, i + 1)
+      self.assertEqual(int(state[0].mu["w"].count), i + 1)
       chex.assert_trees_all_equal(params, ref_params)
       np.testing.assert_array_equal(state[0].mu["w"].dequantize(), ref_state[0].mu["w"])
       np.testing.assert_array_equal(state[0].nu["w"].dequantize(), ref_state[0].nu["w"])

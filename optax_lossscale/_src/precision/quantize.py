@@ -16,22 +16,30 @@ element. Two formats:
   'fp8'  float8_e4m3fn values of x / (a / 448): e4m3 over the block's range
          (with its subnormals).
 
-Both are integer work on float32 bits or one conversion: no logarithm.
-Rounding is to the nearest code (half up for 'q8', half to even for 'fp8'),
-except that a nonzero value never becomes zero: below the smallest code it
-takes the smallest code of its sign (a second moment rounded to zero would
-turn Adam's update into m / eps). The bound this gives, for every element x
-of a block with largest magnitude a (`ERROR_BOUNDS`):
+Both are integer work on the float32 bits: no logarithm, no table. Rounding
+is stochastic, to one of the two neighbouring codes with the odds that make
+it unbiased, so that a moving average stored in 8 bits follows the float32
+one: Adam's second moment moves by 0.1% of itself a step, far below half a
+code step, and rounded to nearest it would stay where it is (measured: the
+digits MLP then trains as with a larger learning rate; rounded
+stochastically, as float32 does). The random bits are a hash of each
+element's index, how many times the array was quantized (the count is kept
+with the codes) and a salt per array (`rounding.hash_bits`): no key, and the
+same state rounds alike, on any layout. A nonzero value
+never becomes zero: below the smallest code it takes the smallest code of
+its sign (a second moment rounded to zero would turn Adam's update into
+m / eps). The bound this gives, for every element x of a block with largest
+magnitude a (`ERROR_BOUNDS`):
 
   |dequantize(quantize(x)) - x| <= max(rel * |x|, floor * a)
 
-  q8 signed:    rel = 2**-4 = 0.0625   floor = 1.25 * 2**-16 = 1.9e-5
-  q8 unsigned:  rel = 2**-4 = 0.0625   floor = 1.25 * 2**-32 = 2.9e-10
-  fp8:          rel = 2**-4 = 0.0625   floor = 2**-9 / 448 = 4.4e-6
+  q8 signed:    rel = 2**-3 = 0.125   floor = 1.25 * 2**-16 = 1.9e-5
+  q8 unsigned:  rel = 2**-3 = 0.125   floor = 1.25 * 2**-32 = 2.9e-10
+  fp8:          rel = 2**-3 = 0.125   floor = 2**-9 / 448 = 4.4e-6
 
-(the relative error is half a step of the 3-bit mantissa, at most 2**-4 at
-the bottom of a binade and 2**-5 at its top), plus float32's own rounding
-(below 1e-6 relative). The largest magnitude of a block is stored exactly.
+(one step of the 3-bit mantissa, 2**-3 of a value at the bottom of its binade
+and 2**-4 at its top; the median error is about 2.5%), plus float32's own
+rounding (below 1e-6 relative). The largest magnitude of a block is stored exactly.
 A block holding a NaN or an infinity comes back as NaN; a block whose largest
 magnitude is below 2**-100 (7.9e-31) comes back as zeros: its quotients would
 reach float32's subnormals, which XLA:CPU flushes to zero (a moment decaying
@@ -60,12 +68,13 @@ _ONE = 0x3F8
 _SHIFT = 20  # float32's mantissa bits below the 3 kept
 _SIGNED, _UNSIGNED = 127, 255  # top codes
 _NEGLIGIBLE = 2.0**-100  # a block below this largest magnitude is stored as zeros
+_SALT = np.uint32(0x9E3779B9)  # the hash's second word (any odd constant)
 
 #: format -> (rel, floor) of the bound above, with float32's rounding added.
 ERROR_BOUNDS = {
-  "q8 signed": (2**-4 + 1e-6, 1.25 * 2**-16),
-  "q8 unsigned": (2**-4 + 1e-6, 1.25 * 2**-32),
-  "fp8": (2**-4 + 1e-6, 2**-9 / _FP8_MAX),
+  "q8 signed": (2**-3 + 1e-6, 1.25 * 2**-16),
+  "q8 unsigned": (2**-3 + 1e-6, 1.25 * 2**-32),
+  "fp8": (2**-3 + 1e-6, 2**-9 / _FP8_MAX),
 }
 
 
@@ -73,7 +82,7 @@ class QuantizedArray(NamedTuple):
   """An array stored in 8 bits per element and a float32 scale per block of 256.
 
   What `ols.state_dtypes` stores for a state leaf given the format `'q8'` or
-  `'fp8'`: a pytree of two arrays, so that `jit`, sharding and checkpointers
+  `'fp8'`: a pytree of arrays, so that `jit`, sharding and checkpointers
   handle it as any state.
 
   Attributes:
@@ -81,6 +90,9 @@ class QuantizedArray(NamedTuple):
       `float8_e4m3fn` for `'fp8'`.
     scales: float32, one per block: the block's largest magnitude (`'q8'`,
       negative for a signed block) or that over 448 (`'fp8'`).
+    count: how many times the array was quantized (a uint32 scalar): it
+      salts the random bits of the stochastic rounding, so that a value
+      that comes back unchanged is still rounded afresh each step.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -96,6 +108,7 @@ class QuantizedArray(NamedTuple):
 
   codes: jax.Array
   scales: jax.Array
+  count: jax.Array
 
   @property
   def format(self) -> str:
@@ -170,8 +183,10 @@ def _largest(blocks: jax.Array) -> jax.Array:
 
 # Compiled: an eager `init` then runs one program per leaf shape, not each small op.
 @functools.partial(jax.jit, static_argnums=1)
-def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
-  """`x` (any floating dtype; computed in float32) in the format `fmt`."""
+def quantize(x: jax.Array, fmt: str, count: Any = 0, salt: Any = 0) -> QuantizedArray:
+  """`x` (any floating dtype; computed in float32) in the format `fmt`, the `count`-th time
+  (the previous `QuantizedArray`'s count plus one) with `salt` (one per array of a state:
+  its two moments round independently); both key the rounding's random bits."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {FORMATS}; got {fmt!r}.")
   x, sharding = _rows_unsharded(jnp.asarray(x))
@@ -182,23 +197,43 @@ def quantize(x: jax.Array, fmt: str) -> QuantizedArray:
   kept = largest >= _NEGLIGIBLE  # False for NaN
   largest = jnp.where(kept | jnp.isnan(largest), largest, 0.0)
   safe = jnp.where(kept, largest, 1.0)[..., None]
+  count = jnp.asarray(count, jnp.uint32)
+  noise = _noise(blocks, count, jnp.asarray(salt, jnp.uint32))
   if fmt == "fp8":
     scale = safe / _FP8_MAX
     scaled = jnp.where(kept[..., None], blocks / scale, 0.0)
-    # Below e4m3's smallest subnormal, 2**-9 (from 2**-10 down it would round to 0).
-    tiny = (scaled != 0) & (jnp.abs(scaled) < 2.0**-9)
-    codes = jnp.where(tiny, jnp.copysign(jnp.float32(2.0**-9), scaled), scaled).astype(_FP8)
+    magnitude = jnp.abs(scaled)
+    bits = jax.lax.bitcast_convert_type(magnitude, jnp.uint32)
+    normal = jax.lax.bitcast_convert_type((bits + noise) >> _SHIFT << _SHIFT, jnp.float32)
+    # e4m3's subnormals, below 2**-6, are spaced 2**-9: up by one with the same odds.
+    low = jnp.floor(magnitude * 2.0**9 + noise.astype(jnp.float32) * 2.0**-_SHIFT) * 2.0**-9
+    low = jnp.where(magnitude > 0, jnp.maximum(low, 2.0**-9), 0.0)  # never to zero
+    rounded = jnp.copysign(jnp.where(magnitude >= 2.0**-6, normal, low), scaled)
+    codes = rounded.astype(_FP8)  # exact: the value has e4m3's bits
     scales = jnp.where(kept, scale[..., 0], largest)  # 0, or NaN for a non-finite block
-    return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales)
+    return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales, count)
   signed = jnp.min(blocks, axis=-1, keepdims=True) < 0  # (a reduction of bools is slower)
   top = jnp.where(signed, _SIGNED, _UNSIGNED)
   magnitude = jnp.abs(blocks)
   bits = jax.lax.bitcast_convert_type(magnitude / safe, jnp.uint32)
-  above = ((bits + np.uint32(1 << (_SHIFT - 1))) >> _SHIFT).astype(jnp.int32)  # half up
+  above = ((bits + noise) >> _SHIFT).astype(jnp.int32)
   m = jnp.where((magnitude > 0) & kept[..., None], jnp.clip(above - (_ONE - top), 1, top), 0)
   codes = jnp.where(signed & (blocks < 0), m | 0x80, m).astype(jnp.uint8)
   scales = jnp.where(signed[..., 0], -largest, largest)
-  return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales)
+  return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales, count)
+
+
+def _noise(blocks: jax.Array, count: jax.Array, salt: jax.Array) -> jax.Array:
+  """Uniform bits below the 3 mantissa bits kept, for rounding stochastically: a hash of
+  each element's index, the count of quantizations and the array's salt.
+
+  Not of the values themselves: a value one float32 ulp off (another program's
+  fused multiply-add) then changes its rounding only where it crosses the
+  threshold, as with rounding to nearest, instead of a third of the time.
+  """
+  sharding = rounding.explicit_sharding(blocks)
+  words = (rounding.mix(count ^ _SALT), salt)
+  return rounding.hash_bits(words, blocks.shape, sharding) >> (32 - _SHIFT)
 
 
 @jax.jit

@@ -142,7 +142,7 @@ def split_bfloat16(master: jax.Array) -> tuple[jax.Array, jax.Array]:
   return param, jnp.clip(diff, -(2**15), 2**15 - 1).astype(jnp.int16)
 
 
-def _mix(x: jax.Array) -> jax.Array:
+def mix(x: jax.Array) -> jax.Array:
   """MurmurHash3's 32-bit finalizer: a bijection of uint32 whose every output bit
   depends on every input bit (Appleby, public domain)."""
   x = x ^ (x >> 16)
@@ -163,10 +163,11 @@ def explicit_sharding(x: Any) -> Any:
   return sharding if any(axis is not None for axis in spec) else None
 
 
-def hash_bits(seed: jax.Array, shape: tuple[int, ...], sharding: Any = None) -> jax.Array:
+def hash_bits(seed: Any, shape: tuple[int, ...], sharding: Any = None) -> jax.Array:
   """One uint32 per element of `shape`, a hash of its index and the two words of `seed`.
 
   `mix(mix(i ^ seed[0]) ^ seed[1])` for the element's row-major index `i`
+  (each word a uint32 scalar, or an array of `shape`: a value's own bits)
   (modulo 2**32), `mix` a bijection: for one index, a uniformly random seed
   gives uniformly random bits, so rounding with them is exactly unbiased
   over seeds, as with any generator. Across indices and seeds the bits are
@@ -184,7 +185,7 @@ def hash_bits(seed: jax.Array, shape: tuple[int, ...], sharding: Any = None) -> 
   index = jnp.zeros(shape, jnp.uint32)
   for axis, size in enumerate(shape):
     index = index * np.uint32(size) + iota(axis)
-  return _mix(_mix(index ^ seed[0]) ^ seed[1])
+  return mix(mix(index ^ seed[0]) ^ seed[1])
 
 
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -92,13 +93,16 @@ def state_dtypes(
 
   A leaf can also be stored quantized, in one byte per element and a float32
   scale per block of 256 elements (a `QuantizedArray`): `'q8'`, a
-  logarithmic code (8 codes per binade below the block's largest magnitude;
-  signed where the block holds a negative value, unsigned otherwise, as
-  Adam's second moment), or `'fp8'`, float8_e4m3fn values scaled to the
-  block. One round trip of an element `x` of a block whose largest magnitude
-  is `a` errs by at most `max(rel * |x|, floor * a)`: `rel` 4.43% and
-  `floor` 1.8e-5 (signed `'q8'`) or 2.8e-10 (unsigned), `rel` 6.25% and
-  `floor` 4.4e-6 for `'fp8'`; a nonzero value never becomes zero. As in
+  dynamic-exponent code (3 mantissa bits, 8 codes per binade below the
+  block's largest magnitude; signed where the block holds a negative value,
+  unsigned otherwise, as Adam's second moment), or `'fp8'`, float8_e4m3fn
+  values scaled to the block. Both round stochastically (unbiased: a moving
+  average in 8 bits follows the float32 one), with bits hashed from each
+  element's index, the leaf's path and a count kept with the codes. One
+  round trip of an element `x` of a block whose largest magnitude is `a`
+  errs by at most `max(2**-3 * |x|, floor * a)`, `floor` 1.9e-5 (signed
+  `'q8'`), 2.9e-10 (unsigned) or 4.4e-6 (`'fp8'`); a nonzero value never
+  becomes zero. As in
   bitsandbytes and torchao, a leaf of fewer than `quantize_min_size`
   elements (biases, norms) stays as `inner` built it. The codes are shaped
   and sharded like the leaf; each row of blocks lies within the leaf's
@@ -194,13 +198,19 @@ def state_dtypes(
 
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=quantize.is_quantized)
 
-  def to_storage(state: Any) -> Any:
+  def to_storage(state: Any, stored: Any = None) -> Any:
+    """`state` in its storage; a quantized leaf counts on from the one `stored` held."""
+    flat = jax.tree_util.tree_flatten_with_path(stored, is_leaf=quantize.is_quantized)[0]
+    counts = {jax.tree_util.keystr(k): x.count + 1 for k, x in flat if quantize.is_quantized(x)}
+
     def one(path: tuple[Any, ...], leaf: Any) -> Any:
       dtype = storage(path, leaf)
       if dtype is None:
         return leaf
       if isinstance(dtype, str):
-        return quantize.quantize(leaf, dtype)
+        name = jax.tree_util.keystr(path)
+        salt = zlib.crc32(name.encode())  # stable across processes, unlike hash()
+        return quantize.quantize(leaf, dtype, counts.get(name, 0), np.uint32(salt))
       return jnp.asarray(leaf).astype(dtype)
 
     return jax.tree_util.tree_map_with_path(one, state)
@@ -222,7 +232,7 @@ def state_dtypes(
   def update_fn(
     updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
   ) -> tuple[optax.Updates, Any]:
-    updates, state = inner.update(updates, to_compute(state), params, **extra_args)
-    return updates, to_storage(state)
+    updates, new_state = inner.update(updates, to_compute(state), params, **extra_args)
+    return updates, to_storage(new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
