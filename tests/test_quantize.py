@@ -282,11 +282,21 @@ class StateDtypesTest(parameterized.TestCase):
     mu = state.inner_state.inner_state[0].mu["w"]
     self.assertEqual((mu.codes.dtype, mu.scales.dtype), (jnp.uint8, jnp.float32))
     poisoned = {**grads_at(3, BF16), "w": jnp.full((64, 256), jnp.nan, BF16)}
-    new_params, new_state = ols.apply_gradients(tx, poisoned, state, params)
+    new_params, new_state = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(
+      poisoned, state, params
+    )
     self.assertFalse(bool(new_state.last_step_applied))
     chex.assert_trees_all_equal(new_params, params)
     chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
     chex.assert_trees_all_equal_dtypes(new_state.inner_state, state.inner_state)
+    # skip_bad_steps likewise, with stochastic rounding's key.
+    tx = ols.skip_bad_steps(ols.stochastic_rounding(ols.state_dtypes(optax.adam(1e-3), "q8"), 0))
+    step = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+    params, state = step(grads_at(0, BF16), tx.init(params), params)
+    new_params, new_state = step(poisoned, state, params)
+    self.assertEqual(int(new_state.nonfinite_skips), 1)
+    chex.assert_trees_all_equal(new_params, params)
+    chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
 
   def test_bytes_per_parameter_counted_from_the_pytrees(self):
     # Adam on bfloat16 parameters, the parameters included: 12 for float32 Adam,
