@@ -140,12 +140,14 @@ def master_weights(
   (the difference of their bit patterns, as Megatron-LM's and Transformer
   Engine's "parameter remainders"), 2 bytes instead of 4. Each step joins
   the parameter and the remainder into the float32 master, steps it, and
-  splits it again; the parameters written are bit for bit those of the full
-  copy. One float32 master in about 2**17 cannot be split so (exactly
-  halfway above an even bfloat16 value: 2**16 + 1 float32 values round to
-  it, one more than 16 bits hold): it is kept one float32 ulp lower, which
-  rounds to the same parameter. float16 parameters are refused at `init`:
-  float16 is not the top half of a float32, so no 16 bits complete it.
+  splits it again; the parameters written are those of the full copy, bit
+  for bit, until a master lands where 16 bits cannot hold it: exactly
+  half-way above an even bfloat16 value (2**16 + 1 float32 values round to
+  it, one more than 16 bits hold), about once in 2**17 element-steps. It is
+  kept one float32 ulp lower, which rounds to the same parameter, and the
+  run goes on as on another backend, rounded differently here and there.
+  float16 parameters are refused at `init`: float16 is not the top half of
+  a float32, so no 16 bits complete it.
 
   Args:
     inner: the transformation to run on the master copy, e.g.
@@ -214,7 +216,7 @@ def master_weights(
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     masters = [kept(path, p) for path, p in flat]
     on_master = [
-      p if m is None else jnp.asarray(p).astype(master_dtype)
+      p if m is None else m if store == "copy" else jnp.asarray(p).astype(master_dtype)
       for (_, p), m in zip(flat, masters, strict=True)
     ]
     return MasterWeightsState(
