@@ -327,7 +327,7 @@ def time_steps(
 
 
 PROBLEMS = ("regression", "digits", "lm")
-PARTS = (*PROBLEMS, "update", "bytes")
+PARTS = (*PROBLEMS, "update", "bytes", "bits")
 
 
 def update_variants(seed: int = 0) -> dict[str, Variant]:
@@ -390,6 +390,41 @@ def update_cost(quick: bool = False, rounds: int = 15, steps: int = 5) -> dict[s
       for name, t in times.items()
     },
   }
+
+
+def _one_round_hash(seed: Any, shape: tuple[int, ...]) -> jax.Array:
+  """A cheaper alternative measured: one round (Wellons' lowbias32) of a Weyl sequence."""
+  x = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * np.uint32(shape[1])
+  x = (x + jax.lax.broadcasted_iota(jnp.uint32, shape, 1)) * np.uint32(0x9E3779B9) + seed[0]
+  x = (x ^ (x >> 16)) * np.uint32(0x7FEB352D)
+  x = (x ^ (x >> 15)) * np.uint32(0x846CA68B)
+  return (x ^ (x >> 16)) ^ seed[1]
+
+
+def bits_cost(quick: bool = False, rounds: int = 15) -> dict[str, float]:
+  """Median ms to draw one uint32 per element of a 1024 x 1024 array, each way."""
+  shape = (64, 256) if quick else (1024, 1024)
+  rounds = 1 if quick else rounds
+  ways = {
+    "threefry (jax.random.bits)": lambda k: jax.random.bits(jax.random.wrap_key_data(k), shape),
+    "unsafe_rbg (jax.random.bits)": lambda k: jax.random.bits(
+      jax.random.key(k[0], impl="unsafe_rbg"), shape
+    ),
+    "hash, two rounds (rounding.hash_bits, shipped)": lambda k: rounding.hash_bits(k, shape),
+    "hash, one round": lambda k: _one_round_hash(k, shape),
+  }
+  key = jax.random.key_data(jax.random.key(0))
+  compiled = {name: jax.jit(f) for name, f in ways.items()}
+  for f in compiled.values():
+    jax.block_until_ready(f(key))
+  times: dict[str, list[float]] = {name: [] for name in ways}
+  for _ in range(rounds):
+    for name, f in compiled.items():
+      start = time.perf_counter()
+      for _ in range(5):
+        jax.block_until_ready(f(key))
+      times[name].append((time.perf_counter() - start) / 5)
+  return {name: float(np.median(t) * 1e3) for name, t in times.items()}
 
 
 def _gpt2_small_shapes() -> Any:
@@ -484,6 +519,8 @@ def measure(
     out["update"] = update_cost(quick=quick)
   if only is None or "bytes" in only:
     out["bytes"] = bytes_table(quick=quick)
+  if only is None or "bits" in only:
+    out["bits"] = bits_cost(quick=quick)
   return out
 
 
@@ -518,6 +555,15 @@ def markdown(report: dict[str, Any]) -> str:
         f"| {name} | {r['ms']:.2f} | x{r['vs_adam']:.2f} | x{r['vs_master_weights']:.2f} |"
       )
     lines.append("")
+  if "bits" in report:
+    lines += [
+      "**Random bits** for 1M elements (median ms):",
+      "",
+      "| generator | ms |",
+      "| --- | --- |",
+      *(f"| {name} | {ms:.3f} |" for name, ms in report["bits"].items()),
+      "",
+    ]
   if "bytes" in report:
     models = list(report["bytes"])
     heads = [f"{m} ({report['bytes'][m]['params'] / 1e6:.2f}M)" for m in models]

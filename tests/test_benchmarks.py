@@ -294,6 +294,9 @@ def test_low_precision_update_cost_and_bytes_table():
   assert table["master weights, remainder"] == pytest.approx(12, abs=0.01)
   assert 4 < table["master weights, remainder, q8 moments of every leaf"] < 6.2
   assert table["stochastic rounding, q8 moments"] < table["stochastic rounding"]
-  report = {"workloads": [], "update": cost, "bytes": {"benchmark LM": table}}
+  bits = lpp.bits_cost(quick=True)
+  assert len(bits) == 4 and all(ms > 0 for ms in bits.values())
+  report = {"workloads": [], "update": cost, "bytes": {"benchmark LM": table}, "bits": bits}
   text = lpp.markdown(report)
   assert "| master_weights, remainder | " in text and "| stochastic rounding, q8 moments | " in text
+  assert "| hash, one round |" in text
