@@ -14,6 +14,12 @@ the same initialisation and data, with each way of storing the parameters:
   moments; ``stochastic rounding, f32 nu`` keeps the second moment in
   float32, the same bytes as Kahan, ``f32 moments`` both moments, the same
   bytes as ``Kahan, f32 nu``;
+* ``master weights, remainder``: `master_weights(adam, store='remainder')`, the
+  master as the bfloat16 parameter and a 16-bit remainder (the same parameters
+  as ``master weights``); ``..., q8 moments`` and ``..., fp8 moments`` store
+  Adam's moments in 8 bits (`state_dtypes(adam, {'mu': 'q8', 'nu': 'q8'})`);
+  ``stochastic rounding, q8 moments`` likewise; ``... of every leaf`` quantizes
+  the leaves under 4096 elements too (the regression's 256 weights are one);
 * ``Kahan``: Kahan-compensated updates (Zamirai et al. 2020): a bfloat16
   compensation buffer per parameter holds what the last write rounded away
   and is added to the next update; bfloat16 moments (``Kahan, f32 nu``: the
@@ -30,7 +36,16 @@ parameters and the optimizer state, and the step time relative to the
 ``bfloat16`` step, as a median of interleaved rounds (one process: each
 round runs every variant for the same number of steps, in a shuffled order).
 
-`python -m benchmarks.low_precision_params [--quick] [--seeds K] [--out DIR]`.
+Two more measurements, with no training: the optimizer update alone on 1M
+bfloat16 parameters, each variant's median time over bare Adam's and over
+``master weights``'s (`update_cost`; it includes the stochastic rounding of
+before, threefry bits and the inner step in bfloat16, for comparison), and
+the bytes per parameter of each variant on the benchmark LM and on a GPT-2
+small-shaped model (124M parameters), counted from the shapes of the
+parameters and of `tx.init`'s state (`bytes_table`).
+
+`python -m benchmarks.low_precision_params [--quick] [--seeds K] [--out DIR]
+[--only regression,digits,lm,update,bytes]`.
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ import optax
 
 from benchmarks import workloads
 import optax_lossscale as ols
+from optax_lossscale._src.precision import rounding
 
 BF16 = jnp.bfloat16
 BASELINE = "bfloat16"
@@ -97,8 +113,29 @@ def _optax(tx: optax.GradientTransformation, dtype: Any) -> Variant:
   return Variant(dtype, tx.init, lambda g, s, p: ols.apply_gradients(tx, g, s, p))
 
 
+def threefry_rounding(inner: optax.GradientTransformation, seed: int) -> Variant:
+  """`stochastic_rounding` as it was: `inner` in the parameters' dtype, threefry bits."""
+
+  def init(params: Any) -> Any:
+    return inner.init(params), jax.random.key_data(jax.random.key(seed))
+
+  def step(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    updates, inner_state = inner.update(grads, state[0], params)
+    step_key, next_key = jax.random.split(jax.random.wrap_key_data(state[1]))
+    leaves, treedef = jax.tree.flatten(params)
+    new = []
+    for i, (p, u) in enumerate(zip(leaves, treedef.flatten_up_to(updates), strict=True)):
+      exact = p.astype(jnp.float32) + u.astype(jnp.float32)
+      bits = jax.random.bits(jax.random.fold_in(step_key, i), p.shape, jnp.uint32)
+      new.append(rounding.round_with_bits(exact, bits, p.dtype))
+    return treedef.unflatten(new), (inner_state, jax.random.key_data(next_key))
+
+  return Variant(BF16, init, step)
+
+
 def variants(lr: float, seed: int) -> dict[str, Variant]:
   adam = lambda: optax.adam(lr)
+  q8 = lambda: ols.state_dtypes(adam(), {"mu": "q8", "nu": "q8"})
   return {
     "float32": _optax(adam(), jnp.float32),
     "bfloat16": _optax(adam(), BF16),
@@ -113,6 +150,22 @@ def variants(lr: float, seed: int) -> dict[str, Variant]:
     "stochastic rounding, f32 moments": _optax(
       ols.stochastic_rounding(ols.state_dtypes(adam(), jnp.float32), key=seed), BF16
     ),
+    "master weights, remainder": _optax(ols.master_weights(adam(), store="remainder"), BF16),
+    "master weights, remainder, q8 moments": _optax(
+      ols.master_weights(q8(), store="remainder"), BF16
+    ),
+    "master weights, remainder, fp8 moments": _optax(
+      ols.master_weights(ols.state_dtypes(adam(), {"mu": "fp8", "nu": "fp8"}), store="remainder"),
+      BF16,
+    ),
+    "master weights, remainder, q8 moments of every leaf": _optax(
+      ols.master_weights(
+        ols.state_dtypes(adam(), {"mu": "q8", "nu": "q8"}, quantize_min_size=0),
+        store="remainder",
+      ),
+      BF16,
+    ),
+    "stochastic rounding, q8 moments": _optax(ols.stochastic_rounding(q8(), key=seed), BF16),
     "Kahan": Variant(BF16, *kahan(adam())),
     "Kahan, f32 nu": Variant(BF16, *kahan(ols.state_dtypes(adam(), {"nu": jnp.float32}))),
   }
@@ -274,14 +327,137 @@ def time_steps(
 
 
 PROBLEMS = ("regression", "digits", "lm")
+PARTS = (*PROBLEMS, "update", "bytes", "bits")
+
+
+def update_variants(seed: int = 0) -> dict[str, Variant]:
+  """The optimizer-update variants timed by `update_cost`: bare Adam, then each way."""
+  adam = lambda: optax.adam(1e-3)
+  q8 = lambda: ols.state_dtypes(adam(), {"mu": "q8", "nu": "q8"})
+  return {
+    "Adam, float32 parameters": _optax(adam(), jnp.float32),
+    "Adam, bfloat16 parameters": _optax(adam(), BF16),
+    "master_weights": _optax(ols.master_weights(adam()), BF16),
+    "master_weights, remainder": _optax(ols.master_weights(adam(), store="remainder"), BF16),
+    "stochastic_rounding": _optax(ols.stochastic_rounding(adam(), key=seed), BF16),
+    "stochastic_rounding before (threefry, bfloat16 Adam)": threefry_rounding(adam(), seed),
+    "master_weights, remainder, q8 moments": _optax(
+      ols.master_weights(q8(), store="remainder"), BF16
+    ),
+    "stochastic_rounding, q8 moments": _optax(ols.stochastic_rounding(q8(), key=seed), BF16),
+    "Adam, float32 parameters, q8 moments": _optax(q8(), jnp.float32),
+  }
+
+
+def update_cost(quick: bool = False, rounds: int = 15, steps: int = 5) -> dict[str, Any]:
+  """The update alone on ~1M parameters: median ms, and the median per-round ratio to bare
+  Adam on float32 parameters and to `master_weights`, variants interleaved."""
+  shapes = [(64, 256)] if quick else [(1024, 768), (256, 1024)]
+  if quick:
+    rounds, steps = 1, 1
+  params = {f"w{i}": jnp.linspace(-1.0, 1.0, np.prod(s)).reshape(s) for i, s in enumerate(shapes)}
+  grads = jax.tree.map(lambda p: jnp.cos(p * 37.0) * 1e-2, params)
+  runs = {}
+  for name, variant in update_variants().items():
+    cast = lambda t, d=variant.dtype: jax.tree.map(lambda x: jnp.array(x, d, copy=True), t)
+    step = jax.jit(variant.step, donate_argnums=(1, 2))
+    p = cast(params)
+    runs[name] = [step, cast(grads), variant.init(p), p]
+  order = list(runs)
+  times: dict[str, list[float]] = {name: [] for name in runs}
+  rng = np.random.default_rng(0)
+  for _ in range(rounds + 1):  # the first round compiles and is dropped
+    rng.shuffle(order)
+    for name in order:
+      step, g, state, p = runs[name]
+      start = time.perf_counter()
+      for _ in range(steps):
+        p, state = step(g, state, p)
+      jax.block_until_ready(p)
+      times[name].append((time.perf_counter() - start) / steps)
+      runs[name][2:] = [state, p]
+  times = {name: np.asarray(t[1:] if len(t) > 1 else t) for name, t in times.items()}
+  bare, master = times["Adam, float32 parameters"], times["master_weights"]
+  return {
+    "params": int(sum(np.prod(s) for s in shapes)),
+    "rounds": rounds,
+    "results": {
+      name: {
+        "ms": float(np.median(t) * 1e3),
+        "vs_adam": float(np.median(t / bare)),
+        "vs_master_weights": float(np.median(t / master)),
+      }
+      for name, t in times.items()
+    },
+  }
+
+
+def _one_round_hash(seed: Any, shape: tuple[int, ...]) -> jax.Array:
+  """A cheaper alternative measured: one round (Wellons' lowbias32) of a Weyl sequence."""
+  x = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * np.uint32(shape[1])
+  x = (x + jax.lax.broadcasted_iota(jnp.uint32, shape, 1)) * np.uint32(0x9E3779B9) + seed[0]
+  x = (x ^ (x >> 16)) * np.uint32(0x7FEB352D)
+  x = (x ^ (x >> 15)) * np.uint32(0x846CA68B)
+  return (x ^ (x >> 16)) ^ seed[1]
+
+
+def bits_cost(quick: bool = False, rounds: int = 15) -> dict[str, float]:
+  """Median ms to draw one uint32 per element of a 1024 x 1024 array, each way."""
+  shape = (64, 256) if quick else (1024, 1024)
+  rounds = 1 if quick else rounds
+  ways = {
+    "threefry (jax.random.bits)": lambda k: jax.random.bits(jax.random.wrap_key_data(k), shape),
+    "unsafe_rbg (jax.random.bits)": lambda k: jax.random.bits(
+      jax.random.key(k[0], impl="unsafe_rbg"), shape
+    ),
+    "hash, two rounds (rounding.hash_bits, shipped)": lambda k: rounding.hash_bits(k, shape),
+    "hash, one round": lambda k: _one_round_hash(k, shape),
+  }
+  key = jax.random.key_data(jax.random.key(0))
+  compiled = {name: jax.jit(f) for name, f in ways.items()}
+  for f in compiled.values():
+    jax.block_until_ready(f(key))
+  times: dict[str, list[float]] = {name: [] for name in ways}
+  for _ in range(rounds):
+    for name, f in compiled.items():
+      start = time.perf_counter()
+      for _ in range(5):
+        jax.block_until_ready(f(key))
+      times[name].append((time.perf_counter() - start) / 5)
+  return {name: float(np.median(t) * 1e3) for name, t in times.items()}
+
+
+def _gpt2_small_shapes() -> Any:
+  """GPT-2 small's parameter shapes (124M) in the benchmark's LM code: nothing allocated."""
+  model = workloads._lm_model(vocab=50257, d_model=768, heads=12, layers=12, seq=1024)
+  tokens = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+  return jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+
+
+def bytes_table(quick: bool = False) -> dict[str, Any]:
+  """Bytes per parameter, the parameters included, of each variant's pytrees (shapes only)."""
+  models = {"benchmark LM": transformer_lm(0, 1, quick=quick).params}
+  if not quick:
+    models["GPT-2 small shapes"] = _gpt2_small_shapes()
+  table: dict[str, dict[str, float]] = {}
+  for model, params in models.items():
+    n = workloads.num_params(params)
+    table[model] = {"params": n}
+    for name, variant in variants(1e-3, 0).items():
+      typed = jax.tree.map(lambda p, d=variant.dtype: jax.ShapeDtypeStruct(p.shape, d), params)
+      state = jax.eval_shape(variant.init, typed)
+      total = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves((typed, state)))
+      table[model][name] = total / n
+  return table
 
 
 def measure(
   quick: bool = False, seeds: int = 3, rounds: int = 7, only: set[str] | None = None
 ) -> dict[str, Any]:
-  """Trains every variant on every problem and seed, then times the first seed's steps."""
-  if only is not None and not only <= set(PROBLEMS):
-    raise ValueError(f"only must name some of {PROBLEMS}; got {sorted(only)}.")
+  """Trains every variant on every problem and seed, then times the first seed's steps;
+  then `update_cost` and `bytes_table`."""
+  if only is not None and not only <= set(PARTS):
+    raise ValueError(f"only must name some of {PARTS}; got {sorted(only)}.")
   # (problem maker, seeds, steps timed per round: enough that a round outlasts the noise)
   if quick:
     sizes = {
@@ -294,7 +470,7 @@ def measure(
     sizes = {
       "regression": (lambda s: regression(s, 1000), seeds, 400),
       "digits": (lambda s: digits_mlp(s, 1000), seeds, 100),
-      "lm": (lambda s: transformer_lm(s, 400), 1, 10),
+      "lm": (lambda s: transformer_lm(s, 400), seeds, 10),
     }
   problems = [sizes[name] for name in PROBLEMS if only is None or name in only]
   report = []
@@ -338,7 +514,14 @@ def measure(
     "quick": quick,
     "rounds": rounds,
   }
-  return {"meta": meta, "workloads": report}
+  out = {"meta": meta, "workloads": report}
+  if only is None or "update" in only:
+    out["update"] = update_cost(quick=quick)
+  if only is None or "bytes" in only:
+    out["bytes"] = bytes_table(quick=quick)
+  if only is None or "bits" in only:
+    out["bits"] = bits_cost(quick=quick)
+  return out
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -358,17 +541,54 @@ def markdown(report: dict[str, Any]) -> str:
         f"| {name} | {losses.mean():.4g}{spread} | {r['bytes_per_param']:.1f} | x{r['ratio']:.2f} |"
       )
     lines.append("")
+  if "update" in report:
+    u = report["update"]
+    lines += [
+      f"**Optimizer update alone**: {u['params'] / 1e6:.2f}M parameters, median of"
+      f" {u['rounds']} interleaved rounds.",
+      "",
+      "| variant | ms | vs Adam (float32) | vs master_weights |",
+      "| --- | --- | --- | --- |",
+    ]
+    for name, r in u["results"].items():
+      lines.append(
+        f"| {name} | {r['ms']:.2f} | x{r['vs_adam']:.2f} | x{r['vs_master_weights']:.2f} |"
+      )
+    lines.append("")
+  if "bits" in report:
+    lines += [
+      "**Random bits** for 1M elements (median ms):",
+      "",
+      "| generator | ms |",
+      "| --- | --- |",
+      *(f"| {name} | {ms:.3f} |" for name, ms in report["bits"].items()),
+      "",
+    ]
+  if "bytes" in report:
+    models = list(report["bytes"])
+    heads = [f"{m} ({report['bytes'][m]['params'] / 1e6:.2f}M)" for m in models]
+    lines += [
+      "**Bytes per parameter**, the parameters included, counted from the pytrees:",
+      "",
+      "| variant | " + " | ".join(heads) + " |",
+      "| --- |" + " --- |" * len(models),
+    ]
+    for name in report["bytes"][models[0]]:
+      if name != "params":
+        row = " | ".join(f"{report['bytes'][m][name]:.3f}" for m in models)
+        lines.append(f"| {name} | {row} |")
+    lines.append("")
   return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="tiny sizes and steps (a smoke test)")
-  parser.add_argument("--seeds", type=int, default=3, help="seeds of the regression and the MLP")
+  parser.add_argument("--seeds", type=int, default=3, help="seeds of each problem")
   parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
   parser.add_argument("--out", type=pathlib.Path, default=None, help="write <backend>.json here")
   parser.add_argument(
-    "--only", default=None, help="a comma-separated subset of: regression, digits, lm"
+    "--only", default=None, help=f"a comma-separated subset of: {', '.join(PARTS)}"
   )
   args = parser.parse_args(argv)
   start = time.perf_counter()

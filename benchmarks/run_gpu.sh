@@ -11,8 +11,12 @@
 # the branch on the device; then the GPU-size LM (186M parameters) alone, with
 # the finiteness-read floor (--gpu-size); then the bfloat16-parameter benchmark
 # (benchmarks/low_precision_params.py: final loss, bytes per parameter and step
-# time of master weights, stochastic rounding and Kahan against plain bfloat16),
-# autocast against hand casts on the 186M LM (benchmarks/autocast_bench.py),
+# time of master weights (a full copy or a 16-bit remainder), stochastic rounding,
+# 8-bit moments and Kahan against plain bfloat16; the optimizer update alone on
+# 1M parameters against bare Adam and master_weights; bytes per parameter of
+# the LM and of GPT-2 small's shapes),
+# autocast against hand casts and the model's own dtype= on the 186M LM
+# (benchmarks/autocast_bench.py: peak temporary memory and step time),
 # and fp8 autocast (benchmarks/fp8_autocast_bench.py --gpu: single GEMMs up to
 # 4096x8192x16384 and the 186M LM step, bare bfloat16 vs autocast bfloat16 vs
 # fp8 tensorwise/rowwise, with the count of cuBLASLt fp8 GEMMs XLA emitted).

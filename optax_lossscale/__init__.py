@@ -24,6 +24,7 @@ from optax_lossscale._src.precision.policy import (
   get_policy,
   half_dtype,
 )
+from optax_lossscale._src.precision.quantize import QuantizedArray
 from optax_lossscale._src.precision.rounding import stochastic_round
 from optax_lossscale._src.precision.state_dtypes import state_dtypes
 from optax_lossscale._src.precision.stochastic_rounding import (
@@ -68,6 +69,7 @@ __all__ = (
   "NoOpLossScale",
   "OverflowGuardError",
   "Policy",
+  "QuantizedArray",
   "ScaleAdvice",
   "SkipBadSteps",
   "SkipBadStepsState",

@@ -305,6 +305,13 @@ def test_low_precision_benchmark_measures_every_variant(capsys):
     "stochastic rounding": 6,
     "stochastic rounding, f32 nu": 8,
     "stochastic rounding, f32 moments": 10,
+    "master weights, remainder": 12,
+    # 256 weights: under state_dtypes' 4096-element threshold, the moments stay float32
+    # (bfloat16 with stochastic rounding) but where every leaf is quantized.
+    "master weights, remainder, q8 moments": 12,
+    "master weights, remainder, fp8 moments": 12,
+    "master weights, remainder, q8 moments of every leaf": 4 + 2 + 2 * 4 / 256,
+    "stochastic rounding, q8 moments": 6,
     "Kahan": 8,
     "Kahan, f32 nu": 10,
   }
@@ -319,3 +326,26 @@ def test_low_precision_benchmark_measures_every_variant(capsys):
   table = lpp.markdown(report)
   for name in results:
     assert f"| {name} |" in table
+
+
+def test_low_precision_update_cost_and_bytes_table():
+  from benchmarks import low_precision_params as lpp
+
+  cost = lpp.update_cost(quick=True)
+  assert list(cost["results"]) == list(lpp.update_variants())
+  assert cost["results"]["master_weights"]["vs_master_weights"] == 1.0
+  assert all(r["ms"] > 0 for r in cost["results"].values())
+  table = lpp.bytes_table(quick=True)["benchmark LM"]
+  # The quick LM's leaves are small (under 4096 elements but two): mostly unquantized.
+  # (Adam's count and the key: a few bytes over 15k parameters)
+  assert table["float32"] == pytest.approx(12, abs=0.01)
+  assert table["master weights"] == pytest.approx(14, abs=0.01)
+  assert table["master weights, remainder"] == pytest.approx(12, abs=0.01)
+  assert 4 < table["master weights, remainder, q8 moments of every leaf"] < 6.2
+  assert table["stochastic rounding, q8 moments"] < table["stochastic rounding"]
+  bits = lpp.bits_cost(quick=True)
+  assert len(bits) == 4 and all(ms > 0 for ms in bits.values())
+  report = {"workloads": [], "update": cost, "bytes": {"benchmark LM": table}, "bits": bits}
+  text = lpp.markdown(report)
+  assert "| master_weights, remainder | " in text and "| stochastic rounding, q8 moments | " in text
+  assert "| hash, one round |" in text

@@ -91,6 +91,14 @@ TXS = {
     ols.stochastic_rounding(optax.adam(1e-3), key=0),
     ols.DynamicLossScale(SCALE, increment_period=1000),
   ),
+  # 8-bit moments (every leaf: the model is small) and a 16-bit master remainder.
+  "quantized": ols.loss_scale_optimizer(
+    ols.master_weights(
+      ols.state_dtypes(optax.adam(1e-3), {"mu": "q8", "nu": "fp8"}, quantize_min_size=0),
+      store="remainder",
+    ),
+    ols.DynamicLossScale(SCALE, increment_period=1000),
+  ),
 }
 
 
@@ -152,7 +160,7 @@ def test_train_state_refuses_what_it_cannot_step():
 # -- Orbax: resume exactly ----------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["wrapped", "rounded"])
+@pytest.mark.parametrize("name", ["wrapped", "rounded", "quantized"])
 def test_orbax_resume_is_exact(tmp_path, name):
   uninterrupted = _run(_make_state(name), BATCHES)[-1]
   at_checkpoint = _run(_make_state(name), BATCHES[:N])[-1]
@@ -165,8 +173,23 @@ def test_orbax_resume_is_exact(tmp_path, name):
   chex.assert_trees_all_equal(resumed, uninterrupted)
   if name == "wrapped":
     assert restored.opt_state.inner_state.master["layers_0"]["kernel"].dtype == jnp.float32
+  elif name == "quantized":
+    adam = restored.opt_state.inner_state.inner_state[0]
+    assert restored.opt_state.inner_state.master["layers_0"]["kernel"].dtype == jnp.int16
+    assert isinstance(adam.mu["layers_0"]["kernel"], ols.QuantizedArray)
+    assert adam.nu["layers_0"]["kernel"].codes.dtype == jnp.float8_e4m3fn
   else:
     assert restored.opt_state.inner_state.key.dtype == jnp.uint32
+
+
+def test_msgpack_round_trip_of_quantized_state_is_exact():
+  from flax import serialization
+
+  at_checkpoint = _run(_make_state("quantized"), BATCHES[:N])[-1]
+  target = jax.eval_shape(lambda: _make_state("quantized", 7))
+  restored = serialization.from_bytes(target, serialization.to_bytes(at_checkpoint))
+  chex.assert_trees_all_equal(restored.opt_state, at_checkpoint.opt_state)
+  chex.assert_trees_all_equal_dtypes(restored.opt_state, at_checkpoint.opt_state)
 
 
 # -- NNX ----------------------------------------------------------------------

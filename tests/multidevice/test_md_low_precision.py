@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+import pytest
 
 import optax_lossscale as ols
 
@@ -138,3 +139,49 @@ def test_stochastic_rounding_in_shard_map_folds_in_the_shard_of_a_varying_parame
   assert 0.15 < float(jnp.mean(new["replicated"] < 1)) < 0.35
   expected = jax.random.split(jax.random.wrap_key_data(state.key))[1]
   np.testing.assert_array_equal(new_state.key, jax.random.key_data(expected))
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_quantized_moments_and_remainder_are_sharded_like_the_parameter(axis_type):
+  # Rows of 512 sharded over 'data': each block (256 along a row) lies within a
+  # shard, so the codes, the scales and the remainder stay where the parameter is;
+  # a parameter sharded along its last axis still steps as on one device (its
+  # blocks then span shards: with Explicit axes its rows are gathered for it).
+  axis_type = getattr(jax.sharding.AxisType, axis_type)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+  specs = {"rows": P("data", None), "cols": P(None, "data")}
+  params = {
+    "rows": (1.0 + jnp.linspace(-0.1, 0.1, 64 * 512).reshape(64, 512)).astype(BF16),
+    "cols": jnp.linspace(-1.0, 1.0, 16 * 512).reshape(16, 512).astype(BF16),
+  }
+  grads = lambda i: jax.tree.map(
+    lambda p: (jnp.cos(jnp.arange(p.size, dtype=jnp.float32) * 0.1 + i) * 1e-2)
+    .reshape(p.shape)
+    .astype(BF16),
+    params,
+  )
+  place = lambda tree: jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  )
+  tx = ols.loss_scale_optimizer(
+    ols.master_weights(
+      ols.state_dtypes(optax.adam(1e-3), {"mu": "q8", "nu": "q8"}), store="remainder"
+    ),
+    ols.DynamicLossScale(1.0),
+  )
+  sharded, state = _run(tx, place(params), lambda i: place(grads(i)))
+  inner = state.inner_state
+  for name in specs:
+    want = sharded[name].sharding
+    assert inner.master[name].dtype == jnp.int16
+    assert inner.master[name].sharding.is_equivalent_to(want, 2), name
+    for moment in (inner.inner_state[0].mu[name], inner.inner_state[0].nu[name]):
+      assert isinstance(moment, ols.QuantizedArray)
+      assert moment.codes.sharding.is_equivalent_to(want, 2), name
+  scales = inner.inner_state[0].mu["rows"].scales
+  assert scales.shape == (64, 2)
+  assert scales.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None)), 2)
+  one_device = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), params)
+  expected, expected_state = _run(tx, one_device, grads)
+  chex.assert_trees_all_equal(sharded, expected)
+  chex.assert_trees_all_equal(state.inner_state, expected_state.inner_state)

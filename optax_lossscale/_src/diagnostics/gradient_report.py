@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._src.utils import tree_utils
+from optax_lossscale._src.utils import dtypes, tree_utils
 
 _TARGET_DTYPES = ("float16", "bfloat16", "float32")
 _COUNT_FIELDS = ("nan", "posinf", "neginf", "zero", "underflow", "subnormal", "overflow")
@@ -137,13 +137,7 @@ jax.tree_util.register_dataclass(
 
 
 def _target_dtype(dtype: Any) -> np.dtype:
-  try:
-    resolved = jnp.dtype(dtype)
-  except TypeError as e:
-    raise ValueError(f"dtype must be one of {_TARGET_DTYPES}; got {dtype!r}.") from e
-  if resolved.name not in _TARGET_DTYPES:
-    raise ValueError(f"dtype must be one of {_TARGET_DTYPES}; got {dtype!r}.")
-  return resolved
+  return dtypes.read_dtype(dtype, "dtype", among=[np.dtype(name) for name in _TARGET_DTYPES])
 
 
 def narrowest_float_dtype(tree: Any) -> str:

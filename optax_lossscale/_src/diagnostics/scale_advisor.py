@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optax_lossscale._src.utils import tree_utils
+from optax_lossscale._src.utils import dtypes, tree_utils
 
 _DTYPES = ("float16", "bfloat16")
 
@@ -149,12 +149,7 @@ def suggest_loss_scale(
     Micikevicius et al., 2018, "Mixed Precision Training", section 3.2,
     https://arxiv.org/abs/1710.03740
   """
-  try:
-    target = np.dtype(jax.numpy.dtype(dtype))
-  except TypeError as e:
-    raise ValueError(f"dtype must be one of {_DTYPES}; got {dtype!r}.") from e
-  if target.name not in _DTYPES:
-    raise ValueError(f"dtype must be one of {_DTYPES}; got {dtype!r}.")
+  target = dtypes.read_dtype(dtype, "dtype", among=[np.dtype(name) for name in _DTYPES])
   margin = _positive("margin", margin, 1.0)
   max_scale = _positive("max_scale", max_scale, 1.0)
 

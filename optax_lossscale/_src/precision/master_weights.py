@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lossscale._src.precision import param_write
+from optax_lossscale._src.precision import param_write, rounding
 from optax_lossscale._src.step import composition, conditional_step
-from optax_lossscale._src.utils import params_check
+from optax_lossscale._src.utils import dtypes, params_check
 
 
 class MasterWeightsState(NamedTuple):
@@ -40,7 +40,8 @@ class MasterWeightsState(NamedTuple):
     master: a tree shaped like the parameters: the master copy (of
       `master_dtype`, sharded like its parameter) of each floating parameter
       narrower than `master_dtype`, and None for every other leaf, which is
-      stepped as it is.
+      stepped as it is. With `store='remainder'`, in place of each float32
+      copy, the int16 remainder that completes the bfloat16 parameter to it.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -55,15 +56,19 @@ class MasterWeightsState(NamedTuple):
   master: Any
 
 
-def _check_master_dtype(master_dtype: Any) -> np.dtype:
-  accepted = "a floating dtype such as jnp.float32"
-  try:
-    dtype = None if master_dtype is None else np.dtype(master_dtype)
-  except TypeError:
-    raise ValueError(f"master_dtype must be {accepted}; got {master_dtype!r}.") from None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"master_dtype must be {accepted}; got {master_dtype!r}.")
-  return dtype
+STORES = ("copy", "remainder")
+_BF16, _F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
+
+
+def _check_store(store: Any, master_dtype: np.dtype) -> str:
+  if not isinstance(store, str) or store not in STORES:
+    raise ValueError(f"store must be one of {STORES}; got {store!r}.")
+  if store == "remainder" and master_dtype != _F32:
+    raise ValueError(
+      "store='remainder' keeps a float32 master as its bfloat16 parameter and 16 more bits;"
+      f" master_dtype must then be float32, got {master_dtype}."
+    )
+  return store
 
 
 def check_inner(inner: Any, kind: str) -> optax.GradientTransformation:
@@ -98,7 +103,7 @@ def _has_master(leaf: Any, master_dtype: np.dtype) -> bool:
 
 
 def master_weights(
-  inner: optax.GradientTransformation, master_dtype: Any = jnp.float32
+  inner: optax.GradientTransformation, master_dtype: Any = jnp.float32, store: str = "copy"
 ) -> optax.GradientTransformationExtraArgs:
   """Steps 16-bit parameters through a master copy of a wider dtype.
 
@@ -130,11 +135,29 @@ def master_weights(
   k).gradient_transformation())` accumulates the promoted gradients in
   float32.
 
+  With `store='remainder'`, for bfloat16 parameters, the state keeps not the
+  float32 master but what the parameter lacks of it: 16 bits per parameter
+  (the difference of their bit patterns, as Megatron-LM's and Transformer
+  Engine's "parameter remainders"), 2 bytes instead of 4. Each step joins
+  the parameter and the remainder into the float32 master, steps it, and
+  splits it again; the parameters written are those of the full copy, bit
+  for bit, until a master lands where 16 bits cannot hold it: exactly
+  half-way above an even bfloat16 value (2**16 + 1 float32 values round to
+  it, one more than 16 bits hold), about once in 2**17 element-steps. It is
+  kept one float32 ulp lower, which rounds to the same parameter, and the
+  run goes on as on another backend, rounded differently here and there.
+  float16 parameters are refused at `init`: float16 is not the top half of
+  a float32, so no 16 bits complete it.
+
   Args:
     inner: the transformation to run on the master copy, e.g.
       `optax.adam(1e-3)`.
     master_dtype: the master copy's dtype, a floating dtype (float32 by
-      default).
+      default), read as `ols.Policy` reads dtypes ('f32', jnp.float32, ...);
+      float64 needs `jax_enable_x64`.
+    store: `'copy'` (the default) keeps the master copy; `'remainder'` keeps
+      16 bits per bfloat16 parameter that complete it (float32 masters of
+      bfloat16 parameters only).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
@@ -168,16 +191,34 @@ def master_weights(
   """
   kind = composition.MASTER_WEIGHTS
   user_inner = check_inner(inner, kind)
-  master_dtype = _check_master_dtype(master_dtype)
+  master_dtype = dtypes.read_dtype(master_dtype, "master_dtype", usable=True)
+  store = _check_store(store, master_dtype)
   inner = optax.with_extra_args_support(inner)
+
+  def kept(path: Any, p: Any) -> Any:
+    """What the state keeps of parameter `p` at init: its master copy, remainder or None."""
+    if not _has_master(p, master_dtype):
+      return None
+    p = jnp.asarray(p)
+    if store == "copy":
+      return p.astype(master_dtype)
+    if p.dtype != _BF16:
+      raise ValueError(
+        "master_weights(store='remainder') completes bfloat16 parameters to their float32"
+        f" master; the parameter at {jax.tree_util.keystr(path) or '<root>'} is {p.dtype},"
+        " which is not the top half of a float32 (no 16 bits complete it). Use"
+        " store='copy' (the default), or keep it in bfloat16 or float32."
+      )
+    return jnp.zeros(p.shape, jnp.int16)  # p.astype(float32) has 16 zero low bits
 
   def init_fn(params: optax.Params) -> MasterWeightsState:
     params_check.check_params_are_arrays(params, "master_weights.init")
-    leaves, treedef = jax.tree.flatten(params)
-    masters = [
-      jnp.asarray(p).astype(master_dtype) if _has_master(p, master_dtype) else None for p in leaves
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    masters = [kept(path, p) for path, p in flat]
+    on_master = [
+      p if m is None else m if store == "copy" else jnp.asarray(p).astype(master_dtype)
+      for (_, p), m in zip(flat, masters, strict=True)
     ]
-    on_master = [p if m is None else m for p, m in zip(leaves, masters, strict=True)]
     return MasterWeightsState(
       inner_state=inner.init(treedef.unflatten(on_master)), master=treedef.unflatten(masters)
     )
@@ -201,20 +242,29 @@ def master_weights(
     leaves = [leaf for _, leaf in flat]
     masters = treedef.flatten_up_to(state.master)
     for (path, p), m in zip(flat, masters, strict=True):
-      if m is not None and not _has_master(p, np.dtype(m.dtype)):
-        raise TypeError(
-          f"master_weights keeps a {m.dtype} master copy of the parameter at"
-          f" {jax.tree_util.keystr(path) or '<root>'}, which is now"
-          f" {jnp.result_type(p)}: something cast it up since init. Its updates are"
-          " float32; optax.apply_updates casts the sum back to the parameter's dtype,"
-          " eqx.apply_updates does not: step with ols.apply_gradients(tx, grads, state,"
-          " params), which writes the parameters in their own dtype."
-        )
+      if m is None:
+        continue
+      if store == "copy" and _has_master(p, np.dtype(m.dtype)):
+        continue
+      if store == "remainder" and np.dtype(jnp.result_type(p)) == _BF16:
+        continue
+      what = f"a {m.dtype} master copy" if store == "copy" else "the 16-bit remainder"
+      raise TypeError(
+        f"master_weights keeps {what} of the parameter at"
+        f" {jax.tree_util.keystr(path) or '<root>'}, which is now"
+        f" {jnp.result_type(p)}: something cast it up since init. Its updates are"
+        " float32; optax.apply_updates casts the sum back to the parameter's dtype,"
+        " eqx.apply_updates does not: step with ols.apply_gradients(tx, grads, state,"
+        " params), which writes the parameters in their own dtype."
+      )
     promoted = [
-      g if m is None or g is None else jnp.asarray(g).astype(m.dtype)
+      g if m is None or g is None else jnp.asarray(g).astype(master_dtype)
       for g, m in zip(treedef.flatten_up_to(grads), masters, strict=True)
     ]
-    on_master = [p if m is None else m for p, m in zip(leaves, masters, strict=True)]
+    on_master = [
+      p if m is None else m if store == "copy" else rounding.join_bfloat16(p, m)
+      for p, m in zip(leaves, masters, strict=True)
+    ]
     stepped, updates, inner_state = param_write.inner_step(
       inner,
       treedef.unflatten(promoted),
@@ -225,11 +275,18 @@ def master_weights(
     )
     stepped = treedef.flatten_up_to(stepped)
     updates = [None] * len(leaves) if updates is None else treedef.flatten_up_to(updates)
-    new_params, own_updates = [], []
+    new_params, own_updates, new_master = [], [], []
     for p, m, s, u in zip(leaves, masters, stepped, updates, strict=True):
-      new_params.append(s if m is None else s.astype(jnp.result_type(p)))
+      if m is None:
+        new_params.append(s)
+        new_master.append(None)
+      elif store == "copy":
+        new_params.append(s.astype(jnp.result_type(p)))
+        new_master.append(s)
+      else:
+        new_params.extend(rounding.split_bfloat16(s))
+        new_master.append(new_params.pop())
       own_updates.append(u if m is None else None)
-    new_master = [None if m is None else s for m, s in zip(masters, stepped, strict=True)]
     return (
       new_params,
       own_updates,
@@ -237,6 +294,6 @@ def master_weights(
     )
 
   update_fn = param_write.attach_write(
-    kind, compute, {"inner": user_inner, "master_dtype": master_dtype}
+    kind, compute, {"inner": user_inner, "master_dtype": master_dtype, "store": store}
   )
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

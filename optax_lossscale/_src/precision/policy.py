@@ -25,6 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._src.utils import dtypes
+from optax_lossscale._src.utils.dtypes import half_dtype
+
 # jmp's names, first name first: `str(policy)` writes the first one.
 _NAMES: dict[np.dtype, tuple[str, ...]] = {
   np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
@@ -32,10 +35,9 @@ _NAMES: dict[np.dtype, tuple[str, ...]] = {
   np.dtype(np.float32): ("full", "f32", "float32"),
   np.dtype(np.float64): ("f64", "float64"),
 }
-_BY_NAME = {name: dtype for dtype, names in _NAMES.items() for name in names}
 _KEYS = {"p": "param_dtype", "params": "param_dtype", "c": "compute_dtype",
          "compute": "compute_dtype", "o": "output_dtype", "output": "output_dtype"}  # fmt: skip
-ACCEPTED_NAMES = "full, half, f32, float32, f16, float16, bf16, bfloat16, f64, float64"
+ACCEPTED_NAMES = dtypes.ACCEPTED_NAMES
 
 
 class _DtypeNames(Mapping):
@@ -69,25 +71,6 @@ class _DtypeNames(Mapping):
 dtype_to_names: Mapping[Any, tuple[str, ...]] = _DtypeNames()
 
 
-def half_dtype() -> np.dtype:
-  """The half-precision dtype of the default backend: bfloat16 on TPU, else float16.
-
-  As jmp's `half_dtype`, it asks the first local device, so it initialises the
-  backend.
-
-  Returns:
-    `np.dtype(jnp.bfloat16)` on TPU, `np.dtype(jnp.float16)` elsewhere.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import optax_lossscale as ols
-    >>> ols.half_dtype() in (jnp.float16, jnp.bfloat16)
-    True
-  """
-  on_tpu = jax.local_devices()[0].platform == "tpu"
-  return np.dtype(jnp.bfloat16 if on_tpu else jnp.float16)
-
-
 def parse_dtype(value: str) -> np.dtype:
   """A dtype from one of jmp's names: `full`, `half`, `f32`, `float16`, `bf16`, ...
 
@@ -103,25 +86,14 @@ def parse_dtype(value: str) -> np.dtype:
   if value == "half":
     return half_dtype()
   try:
-    return _BY_NAME[value]
+    return dtypes.NAMES[value]
   except (KeyError, TypeError):
     raise ValueError(f"Unknown dtype {value!r}: accepted names are {ACCEPTED_NAMES}.") from None
 
 
 def _as_dtype(argument: str, value: Any) -> np.dtype:
   """`value` (a dtype, a scalar type or one of jmp's names) as a floating `np.dtype`."""
-  if isinstance(value, str) and value in ("half", *_BY_NAME):
-    return parse_dtype(value)
-  try:
-    dtype = None if value is None else np.dtype(value)  # np.dtype(None) is float64
-  except TypeError:
-    dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-      f"{argument} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16, 'float16' or"
-      f" one of {ACCEPTED_NAMES}); got {value!r}."
-    )
-  return dtype
+  return dtypes.read_dtype(value, argument)
 
 
 def _cast_floating_to(tree: Any, dtype: np.dtype) -> Any:

@@ -15,56 +15,58 @@ the first moment of the Adam family. This wrapper works for any optimizer:
 A leaf is chosen by the names on its path in the state (a NamedTuple field
 such as Adam's `mu` and `nu`, a dict key such as a `named_chain`'s), by a
 predicate, or all floating leaves at once. The state keeps the inner
-optimizer's structure: only the dtypes of the chosen leaves change.
+optimizer's structure: only the dtypes of the chosen leaves change, or, for
+a quantized format ('q8', 'fp8': one byte per element and a float32 scale
+per block of 256, `precision/quantize.py`), a leaf becomes a
+`QuantizedArray` of codes and scales, dequantized to float32 for the update
+and quantized again after it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_lossscale._src.precision import quantize
+from optax_lossscale._src.utils import dtypes as dtypes_lib
+
 _ACCEPTED = (
-  "a floating dtype (for every floating leaf of the state), a mapping from state field"
-  " names to floating dtypes (e.g. {'mu': jnp.bfloat16, 'nu': jnp.float32}), or a"
-  " function (path, leaf) -> dtype or None"
+  "a floating dtype or a format 'q8' or 'fp8' (for every floating leaf of the state), a"
+  " mapping from state field names to those (e.g. {'mu': 'q8', 'nu': jnp.float32}), or a"
+  " function (path, leaf) -> dtype, format or None"
 )
+_FORMATS = "a format 'q8' or 'fp8'"
 
 Dtypes = Any | Mapping[str, Any] | Callable[[tuple[Any, ...], Any], Any]
+Storage = np.dtype | str | None  # a dtype, a format of `quantize.FORMATS`, or as it is
 
 
-def _floating_dtype(value: Any, what: str) -> np.dtype:
-  try:
-    dtype = None if value is None else np.dtype(value)
-  except TypeError:
-    dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{what} must be a floating dtype such as jnp.bfloat16; got {value!r}.")
-  return dtype
+def _storage(value: Any, what: str) -> np.dtype | str:
+  """A dtype or a quantized format, read from `value`, or an error naming `what`."""
+  if isinstance(value, str) and value in quantize.FORMATS:
+    return value
+  return dtypes_lib.read_dtype(value, what, usable=True, extra=_FORMATS)
 
 
 def _check_dtypes(dtypes: Any) -> Any:
   if isinstance(dtypes, Mapping):
     if not dtypes:
       raise ValueError(f"dtypes must be {_ACCEPTED}; got an empty mapping.")
-    for name, value in dtypes.items():
+    for name in dtypes:
       if not isinstance(name, str):
         raise ValueError(f"dtypes must be {_ACCEPTED}; got the key {name!r}, not a name.")
-      _floating_dtype(value, f"dtypes[{name!r}]")
-    return {name: np.dtype(value) for name, value in dtypes.items()}
-  try:
-    if dtypes is None:
-      raise TypeError
-    np.dtype(dtypes)
-  except TypeError:
-    if callable(dtypes):
-      return dtypes
-    raise ValueError(f"dtypes must be {_ACCEPTED}; got {dtypes!r}.") from None
-  return _floating_dtype(dtypes, "dtypes")
+    return {name: _storage(value, f"dtypes[{name!r}]") for name, value in dtypes.items()}
+  if isinstance(dtypes, (str, np.dtype, type)):
+    return _storage(dtypes, "dtypes")
+  if callable(dtypes):
+    return dtypes
+  raise ValueError(f"dtypes must be {_ACCEPTED}; got {dtypes!r}.")
 
 
 def _key_name(key: Any) -> Any:
@@ -80,7 +82,7 @@ def _is_floating(leaf: Any) -> bool:
 
 
 def state_dtypes(
-  inner: optax.GradientTransformation, dtypes: Dtypes
+  inner: optax.GradientTransformation, dtypes: Dtypes, *, quantize_min_size: int = 4096
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps `inner`'s state in the dtypes `dtypes` chooses, leaf kind by leaf kind.
 
@@ -89,29 +91,50 @@ def state_dtypes(
   as usual; after the update they are rounded back (to nearest). Integer
   leaves (step counts) are never cast. The state keeps `inner`'s structure.
 
+  A leaf can also be stored quantized, in one byte per element and a float32
+  scale per block of 256 elements (a `QuantizedArray`): `'q8'`, a
+  dynamic-exponent code (3 mantissa bits, 8 codes per binade below the
+  block's largest magnitude; signed where the block holds a negative value,
+  unsigned otherwise, as Adam's second moment), or `'fp8'`, float8_e4m3fn
+  values scaled to the block. Both round stochastically (unbiased: a moving
+  average in 8 bits follows the float32 one), with bits hashed from each
+  element's index, the leaf's path and a count kept with the codes. One
+  round trip of an element `x` of a block whose largest magnitude is `a`
+  errs by at most `max(2**-3 * |x|, floor * a)`, `floor` 1.9e-5 (signed
+  `'q8'`), 2.9e-10 (unsigned) or 4.4e-6 (`'fp8'`); a nonzero value never
+  becomes zero. As in
+  bitsandbytes and torchao, a leaf of fewer than `quantize_min_size`
+  elements (biases, norms) stays as `inner` built it. The codes are shaped
+  and sharded like the leaf; each row of blocks lies within the leaf's
+  trailing axes.
+
   Unlike optax's `scale_by_adam(mu_dtype=...)`, which sets the first moment
   of the Adam family only, this works for any optax optimizer and any state
   leaf: Adam's `nu` in float32 next to a bfloat16 `mu`, a momentum `trace`,
   Adafactor's factors, a `named_chain` part by its name.
 
   With `master_weights`, put it inside: `master_weights(state_dtypes(adam,
-  {'mu': jnp.bfloat16}))` keeps the first moment of the float32 master in
-  bfloat16. With bfloat16 parameters and no master copy,
-  `stochastic_rounding(state_dtypes(adam, {'nu': jnp.float32}), key)` keeps
-  the second moment in float32.
+  {'mu': 'q8', 'nu': 'q8'}), store='remainder')` holds 6 bytes per bfloat16
+  parameter with the parameter, against 12 for float32 Adam. With bfloat16
+  parameters and no master copy, `stochastic_rounding(state_dtypes(adam,
+  {'nu': jnp.float32}), key)` keeps the second moment in float32.
 
   Args:
     inner: the transformation whose state to store, e.g. `optax.adam(1e-3)`.
-    dtypes: a floating dtype for every floating leaf of the state; or a
-      mapping from names to floating dtypes, where a leaf takes the dtype of
-      the outermost name on its path in the state (a NamedTuple field such
-      as `mu`, `nu` or `trace`, or a dict key), and unnamed leaves keep
-      theirs; or a function `(path, leaf) -> dtype or None` (None: keep).
-      A name that matches no floating leaf raises a `ValueError` at `init`.
+    dtypes: a floating dtype (or a format, `'q8'` or `'fp8'`) for every
+      floating leaf of the state; or a mapping from names to those, where a
+      leaf takes the choice of the outermost name on its path in the state
+      (a NamedTuple field such as `mu`, `nu` or `trace`, or a dict key), and
+      unnamed leaves keep theirs; or a function `(path, leaf) -> dtype,
+      format or None` (None: keep). A name that matches no floating leaf
+      raises a `ValueError` at `init`. Dtypes are read as `ols.Policy` reads
+      them (`jnp.bfloat16`, `'bf16'`, `'f32'`, ...).
+    quantize_min_size: leaves with fewer elements are not quantized (4096,
+      as bitsandbytes and torchao).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with `inner`'s state
-    structure.
+    structure, a quantized leaf being a `QuantizedArray`.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -123,10 +146,17 @@ def state_dtypes(
     >>> _, state = tx.update({'w': jnp.ones(3, jnp.bfloat16)}, state)
     >>> state[0].mu['w'].dtype, state[0].nu['w'].dtype
     (dtype(bfloat16), dtype('float32'))
+    >>> tx = ols.state_dtypes(optax.adam(1e-3), {'mu': 'q8', 'nu': 'q8'})
+    >>> state = tx.init({'w': jnp.ones((64, 256)), 'b': jnp.ones(64)})
+    >>> type(state[0].mu['w']).__name__, state[0].mu['b'].dtype  # 'b' is small
+    ('QuantizedArray', dtype('float32'))
 
   References:
     optax's `scale_by_adam(mu_dtype=...)` and its issue #1552; Rae et al.,
-    2021 (Gopher), on float32 optimizer state with bfloat16 parameters.
+    2021 (Gopher), on float32 optimizer state with bfloat16 parameters;
+    Dettmers et al., 2022, "8-bit Optimizers via Block-wise Quantization",
+    https://arxiv.org/abs/2110.02861 (bitsandbytes), and torchao's
+    `AdamW8bit` and `AdamWFp8`, on blockwise quantized moments.
   """
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(
@@ -134,30 +164,53 @@ def state_dtypes(
       f" got {type(inner).__name__}."
     )
   dtypes = _check_dtypes(dtypes)
+  if (
+    isinstance(quantize_min_size, (bool, np.bool_))
+    or not isinstance(quantize_min_size, (int, np.integer))
+    or quantize_min_size < 0
+  ):
+    raise ValueError(f"quantize_min_size must be an int >= 0; got {quantize_min_size!r}.")
   inner = optax.with_extra_args_support(inner)
 
-  def storage(path: tuple[Any, ...], leaf: Any) -> np.dtype | None:
-    """The dtype a state leaf is stored in, or None to leave it."""
+  def storage(path: tuple[Any, ...], leaf: Any) -> Storage:
+    """The dtype or format a state leaf is stored in, or None to leave it."""
     if not _is_floating(leaf):
       return None
     if isinstance(dtypes, Mapping):
-      for key in path:
-        name = _key_name(key)
-        if isinstance(name, str) and name in dtypes:
-          return dtypes[name]
-      return None
-    if callable(dtypes) and not isinstance(dtypes, np.dtype):
+      chosen = next((dtypes[n] for n in map(_key_name, path) if n in dtypes), None)
+    elif callable(dtypes) and not isinstance(dtypes, (np.dtype, str)):
       chosen = dtypes(path, leaf)
-      return None if chosen is None else _floating_dtype(chosen, "the dtype dtypes returned")
-    return dtypes
+      chosen = None if chosen is None else _storage(chosen, "the dtype dtypes returned")
+    else:
+      chosen = dtypes
+    if isinstance(chosen, str) and np.size(leaf) < quantize_min_size:
+      return None
+    return chosen
 
-  def cast(state: Any, to_compute: bool) -> Any:
+  def to_compute(state: Any) -> Any:
+    def one(path: tuple[Any, ...], leaf: Any) -> Any:
+      if quantize.is_quantized(leaf):
+        return leaf.dequantize(jnp.float32)
+      dtype = storage(path, leaf)
+      if dtype is None or isinstance(dtype, str):
+        return leaf
+      return jnp.asarray(leaf).astype(jnp.promote_types(dtype, jnp.float32))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=quantize.is_quantized)
+
+  def to_storage(state: Any, stored: Any = None) -> Any:
+    """`state` in its storage; a quantized leaf counts on from the one `stored` held."""
+    flat = jax.tree_util.tree_flatten_with_path(stored, is_leaf=quantize.is_quantized)[0]
+    counts = {jax.tree_util.keystr(k): x.count + 1 for k, x in flat if quantize.is_quantized(x)}
+
     def one(path: tuple[Any, ...], leaf: Any) -> Any:
       dtype = storage(path, leaf)
       if dtype is None:
         return leaf
-      if to_compute:
-        return jnp.asarray(leaf).astype(jnp.promote_types(dtype, jnp.float32))
+      if isinstance(dtype, str):
+        name = jax.tree_util.keystr(path)
+        salt = zlib.crc32(name.encode())  # stable across processes, unlike hash()
+        return quantize.quantize(leaf, dtype, counts.get(name, 0), np.uint32(salt))
       return jnp.asarray(leaf).astype(dtype)
 
     return jax.tree_util.tree_map_with_path(one, state)
@@ -174,12 +227,12 @@ def state_dtypes(
           f" {', '.join(map(repr, missing))}; the names on the paths of its floating"
           f" leaves are {sorted(map(str, names))}."
         )
-    return cast(state, to_compute=False)
+    return to_storage(state)
 
   def update_fn(
     updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
   ) -> tuple[optax.Updates, Any]:
-    updates, state = inner.update(updates, cast(state, to_compute=True), params, **extra_args)
-    return updates, cast(state, to_compute=False)
+    updates, new_state = inner.update(updates, to_compute(state), params, **extra_args)
+    return updates, to_storage(new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

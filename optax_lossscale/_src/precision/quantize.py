@@ -1,0 +1,260 @@
+"""Optimizer state in 8 bits: blockwise quantization with a float32 scale per block.
+
+An array is cut into blocks of 256 consecutive elements (row-major order, in
+rows of the fewest trailing axes that hold 256 elements, so that a block
+never crosses the leading axes a parameter is usually sharded along). Each
+block keeps one float32 scale, its largest magnitude, and one byte per
+element. Two formats:
+
+  'q8'   a dynamic-exponent code of |x| / a, `a` the block's largest
+         magnitude: a binary exponent and 3 mantissa bits, counted down from
+         a itself (the top code, exact), 8 codes per binade. A block holding
+         a negative value is signed (a sign bit and 7 bits: 127 codes, down
+         to 1.25 * 2**-16 * a); a block of non-negative values (Adam's second
+         moment) is unsigned (255 codes, down to 1.25 * 2**-32 * a). The
+         scale's sign says which. Byte 0 is zero.
+  'fp8'  float8_e4m3fn values of x / (a / 448): e4m3 over the block's range
+         (with its subnormals).
+
+Both are integer work on the float32 bits: no logarithm, no table. Rounding
+is stochastic, to one of the two neighbouring codes with the odds that make
+it unbiased, so that a moving average stored in 8 bits follows the float32
+one: Adam's second moment moves by 0.1% of itself a step, far below half a
+code step, and rounded to nearest it would stay where it is (measured: the
+digits MLP then trains as with a larger learning rate; rounded
+stochastically, as float32 does). The random bits are a hash of each
+element's index, how many times the array was quantized (the count is kept
+with the codes) and a salt per array (`rounding.hash_bits`): no key, and the
+same state rounds alike, on any layout. A nonzero value
+never becomes zero: below the smallest code it takes the smallest code of
+its sign (a second moment rounded to zero would turn Adam's update into
+m / eps). The bound this gives, for every element x of a block with largest
+magnitude a (`ERROR_BOUNDS`):
+
+  |dequantize(quantize(x)) - x| <= max(rel * |x|, floor * a)
+
+  q8 signed:    rel = 2**-3 = 0.125   floor = 1.25 * 2**-16 = 1.9e-5
+  q8 unsigned:  rel = 2**-3 = 0.125   floor = 1.25 * 2**-32 = 2.9e-10
+  fp8:          rel = 2**-3 = 0.125   floor = 2**-9 / 448 = 4.4e-6
+
+(one step of the 3-bit mantissa, 2**-3 of a value at the bottom of its binade
+and 2**-4 at its top; the median error is about 2.5%), plus float32's own
+rounding (below 1e-6 relative). The largest magnitude of a block is stored exactly.
+A block holding a NaN or an infinity comes back as NaN; a block whose largest
+magnitude is below 2**-100 (7.9e-31) comes back as zeros: its quotients would
+reach float32's subnormals, which XLA:CPU flushes to zero (a moment decaying
+there, as Adam's of a weight no longer used, would have turned into x / 0).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optax_lossscale._src.precision import rounding
+
+BLOCK = 256
+FORMATS = ("q8", "fp8")
+_FP8 = np.dtype(jnp.float8_e4m3fn)
+_FP8_MAX = 448.0
+# The top 12 bits of 1.0 in float32 (sign, exponent, 3 mantissa bits): the
+# code of a block's largest magnitude, before the offset to its top code.
+_ONE = 0x3F8
+_SHIFT = 20  # float32's mantissa bits below the 3 kept
+_SIGNED, _UNSIGNED = 127, 255  # top codes
+_NEGLIGIBLE = 2.0**-100  # a block below this largest magnitude is stored as zeros
+_SALT = np.uint32(0x9E3779B9)  # the hash's second word (any odd constant)
+
+#: format -> (rel, floor) of the bound above, with float32's rounding added.
+ERROR_BOUNDS = {
+  "q8 signed": (2**-3 + 1e-6, 1.25 * 2**-16),
+  "q8 unsigned": (2**-3 + 1e-6, 1.25 * 2**-32),
+  "fp8": (2**-3 + 1e-6, 2**-9 / _FP8_MAX),
+}
+
+
+class QuantizedArray(NamedTuple):
+  """An array stored in 8 bits per element and a float32 scale per block of 256.
+
+  What `ols.state_dtypes` stores for a state leaf given the format `'q8'` or
+  `'fp8'`: a pytree of arrays, so that `jit`, sharding and checkpointers
+  handle it as any state.
+
+  Attributes:
+    codes: one byte per element, shaped like the array: `uint8` for `'q8'`,
+      `float8_e4m3fn` for `'fp8'`.
+    scales: float32, one per block: the block's largest magnitude (`'q8'`,
+      negative for a signed block) or that over 448 (`'fp8'`).
+    count: how many times the array was quantized (a uint32 scalar): it
+      salts the random bits of the stochastic rounding, so that a value
+      that comes back unchanged is still rounded afresh each step.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.state_dtypes(optax.adam(1e-3), {'mu': 'q8', 'nu': 'q8'})
+    >>> state = tx.init({'w': jnp.zeros((64, 512))})
+    >>> q = state[0].nu['w']
+    >>> q.codes.dtype, q.codes.shape, q.scales.shape, q.format
+    (dtype('uint8'), (64, 512), (64, 2), 'q8')
+    >>> q.dequantize().shape
+    (64, 512)
+  """
+
+  codes: jax.Array
+  scales: jax.Array
+  count: jax.Array
+
+  @property
+  def format(self) -> str:
+    """`'q8'` or `'fp8'`, read off the codes' dtype."""
+    return "fp8" if np.dtype(self.codes.dtype) == _FP8 else "q8"
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The shape of the array."""
+    return tuple(self.codes.shape)
+
+  def dequantize(self, dtype: Any = jnp.float32) -> jax.Array:
+    """The array in `dtype` (float32 by default)."""
+    return dequantize(self).astype(dtype)
+
+
+def is_quantized(x: Any) -> bool:
+  return isinstance(x, QuantizedArray)
+
+
+def _layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int]:
+  """(leading shape, row length, blocks per row): rows span the fewest trailing axes
+  that hold a block, all axes when the array is smaller."""
+  row, lead = 1, len(shape)
+  while lead > 0 and row < BLOCK:
+    lead -= 1
+    row *= shape[lead]
+  return tuple(shape[:lead]), row, max(1, math.ceil(row / BLOCK))
+
+
+def _rows_unsharded(x: jax.Array) -> tuple[jax.Array, Any]:
+  """`x` with the axes its rows of blocks span unsharded, and the sharding it had.
+
+  Only for an array whose type carries its sharding over Explicit mesh axes
+  (`jax.make_mesh`'s default), where a reshape across a sharded axis must be
+  told its result's sharding: such rows are gathered for the quantization
+  (a block spans shards there anyway). Otherwise `(x, None)`: under `jit`
+  the compiler places the blocks, within the shards of the leading axes.
+  """
+  sharding = rounding.explicit_sharding(x)
+  if sharding is None:
+    return x, None
+  lead = len(_layout(x.shape)[0])
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  if all(axis is None for axis in spec[lead:]):
+    return x, None
+  rows = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:lead]))
+  return jax.sharding.reshard(x, rows), sharding
+
+
+def _to_blocks(x: jax.Array) -> jax.Array:
+  lead, row, blocks = _layout(x.shape)
+  x = x.reshape(*lead, row)
+  if blocks * BLOCK != row:
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, blocks * BLOCK - row)])
+  return x.reshape(*lead, blocks, BLOCK)
+
+
+def _from_blocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  lead, row, blocks = _layout(shape)
+  x = x.reshape(*lead, blocks * BLOCK)
+  if blocks * BLOCK != row:
+    x = x[..., :row]
+  return x.reshape(shape)
+
+
+def _largest(blocks: jax.Array) -> jax.Array:
+  """Each block's largest magnitude, NaN where the block holds a NaN or an infinity."""
+  largest = jnp.max(jnp.abs(blocks), axis=-1)  # NaN if any is (lax.max propagates it)
+  return jnp.where(jnp.isfinite(largest), largest, jnp.float32(jnp.nan))
+
+
+# Compiled: an eager `init` then runs one program per leaf shape, not each small op.
+@functools.partial(jax.jit, static_argnums=1)
+def quantize(x: jax.Array, fmt: str, count: Any = 0, salt: Any = 0) -> QuantizedArray:
+  """`x` (any floating dtype; computed in float32) in the format `fmt`, the `count`-th time
+  (the previous `QuantizedArray`'s count plus one) with `salt` (one per array of a state:
+  its two moments round independently); both key the rounding's random bits."""
+  if fmt not in FORMATS:
+    raise ValueError(f"fmt must be one of {FORMATS}; got {fmt!r}.")
+  x, sharding = _rows_unsharded(jnp.asarray(x))
+  blocks = _to_blocks(x.astype(jnp.float32))
+  largest = _largest(blocks)
+  # A block whose largest magnitude is below _NEGLIGIBLE is stored as zero: its
+  # quotients would meet float32's subnormals, which a CPU may flush (x / 0).
+  kept = largest >= _NEGLIGIBLE  # False for NaN
+  largest = jnp.where(kept | jnp.isnan(largest), largest, 0.0)
+  safe = jnp.where(kept, largest, 1.0)[..., None]
+  count = jnp.asarray(count, jnp.uint32)
+  noise = _noise(blocks, count, jnp.asarray(salt, jnp.uint32))
+  if fmt == "fp8":
+    scale = safe / _FP8_MAX
+    scaled = jnp.where(kept[..., None], blocks / scale, 0.0)
+    magnitude = jnp.abs(scaled)
+    bits = jax.lax.bitcast_convert_type(magnitude, jnp.uint32)
+    normal = jax.lax.bitcast_convert_type((bits + noise) >> _SHIFT << _SHIFT, jnp.float32)
+    # e4m3's subnormals, below 2**-6, are spaced 2**-9: up by one with the same odds.
+    low = jnp.floor(magnitude * 2.0**9 + noise.astype(jnp.float32) * 2.0**-_SHIFT) * 2.0**-9
+    low = jnp.where(magnitude > 0, jnp.maximum(low, 2.0**-9), 0.0)  # never to zero
+    rounded = jnp.copysign(jnp.where(magnitude >= 2.0**-6, normal, low), scaled)
+    codes = rounded.astype(_FP8)  # exact: the value has e4m3's bits
+    scales = jnp.where(kept, scale[..., 0], largest)  # 0, or NaN for a non-finite block
+    return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales, count)
+  signed = jnp.min(blocks, axis=-1, keepdims=True) < 0  # (a reduction of bools is slower)
+  top = jnp.where(signed, _SIGNED, _UNSIGNED)
+  magnitude = jnp.abs(blocks)
+  bits = jax.lax.bitcast_convert_type(magnitude / safe, jnp.uint32)
+  above = ((bits + noise) >> _SHIFT).astype(jnp.int32)
+  m = jnp.where((magnitude > 0) & kept[..., None], jnp.clip(above - (_ONE - top), 1, top), 0)
+  codes = jnp.where(signed & (blocks < 0), m | 0x80, m).astype(jnp.uint8)
+  scales = jnp.where(signed[..., 0], -largest, largest)
+  return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales, count)
+
+
+def _noise(blocks: jax.Array, count: jax.Array, salt: jax.Array) -> jax.Array:
+  """Uniform bits below the 3 mantissa bits kept, for rounding stochastically: a hash of
+  each element's index, the count of quantizations and the array's salt.
+
+  Not of the values themselves: a value one float32 ulp off (another program's
+  fused multiply-add) then changes its rounding only where it crosses the
+  threshold, as with rounding to nearest, instead of a third of the time.
+  """
+  sharding = rounding.explicit_sharding(blocks)
+  words = (rounding.mix(count ^ _SALT), salt)
+  return rounding.hash_bits(words, blocks.shape, sharding) >> (32 - _SHIFT)
+
+
+@jax.jit
+def dequantize(q: QuantizedArray) -> jax.Array:
+  """The float32 array `q` stands for."""
+  shape = tuple(q.codes.shape)
+  scale = q.scales[..., None]
+  codes, sharding = _rows_unsharded(q.codes)
+  codes = _to_blocks(codes)
+  if np.dtype(q.codes.dtype) == _FP8:
+    return _resharded(_from_blocks(codes.astype(jnp.float32) * scale, shape), sharding)
+  codes = codes.astype(jnp.int32)
+  signed = jnp.signbit(scale)
+  m = jnp.where(signed, codes & 0x7F, codes)
+  bits = (m + (_ONE - jnp.where(signed, _SIGNED, _UNSIGNED))) << _SHIFT
+  value = jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+  value = jnp.where(m > 0, value, 0.0)
+  value = value * jnp.abs(scale)
+  negative = signed & (codes >= 0x80)
+  return _resharded(_from_blocks(jnp.where(negative, -value, value), shape), sharding)
+
+
+def _resharded(x: jax.Array, sharding: Any) -> jax.Array:
+  return x if sharding is None else jax.sharding.reshard(x, sharding)

@@ -1,0 +1,330 @@
+"""Blockwise 8-bit optimizer state: the stated error bound, the codes, and `state_dtypes`.
+
+The codes are checked against an independent reference: NumPy enumerates
+every code value a block can hold (`code_values`, from the documented
+definition: 8 codes per binade counted down from the block's largest
+magnitude); `quantize` must pick one of the two around each value, the upper
+as often as unbiased rounding does. The round-trip error is checked against
+the bound the module states (`quantize.ERROR_BOUNDS`), on N(0, 1), on its
+squares and on a block with one outlier 1e4 times the rest.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from absl.testing import parameterized
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+
+import optax_lossscale as ols
+from optax_lossscale._src.precision import quantize
+
+BF16 = jnp.bfloat16
+RNG = np.random.default_rng(0)
+NORMAL = RNG.standard_normal((32, 1024)).astype(np.float32)
+OUTLIER = RNG.standard_normal((8, 256)).astype(np.float32)
+OUTLIER[:, 17] = 1e4  # one element of each block 1e4 times the rest
+# Compiled once per shape: op by op, each of the many small ops would compile alone.
+quantize_ = jax.jit(quantize.quantize, static_argnums=1)
+dequantize_ = jax.jit(quantize.dequantize)
+
+
+def code_values(top: int) -> np.ndarray:
+  """The magnitudes (relative to the block's largest) of codes 0..top, from their definition:
+  code `top` is 1, each code below is the next float with 3 mantissa bits down, 0 is 0."""
+  values = [1.0]
+  while len(values) < top:
+    v = values[-1]
+    exponent = np.floor(np.log2(v))
+    step = 2.0 ** (exponent - 3)
+    below = v - step if v > 2.0**exponent else v - step / 2
+    values.append(below)
+  return np.array([0.0, *values[::-1]])
+
+
+def neighbours(r: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The table's values around each r (both the value itself when it is in the table)."""
+  upper = np.searchsorted(table, r, side="left")
+  lower = np.where(table[np.minimum(upper, len(table) - 1)] == r, upper, upper - 1)
+  return table[np.maximum(lower, 0)], table[np.minimum(upper, len(table) - 1)]
+
+
+def block_max(x: np.ndarray, width: int = 256) -> np.ndarray:
+  """Each element's block's largest magnitude, for rows whose length is a multiple of 256."""
+  blocks = np.abs(x).reshape(*x.shape[:-1], -1, width)
+  return np.broadcast_to(blocks.max(-1, keepdims=True), blocks.shape).reshape(x.shape)
+
+
+class BoundTest(parameterized.TestCase):
+  @parameterized.named_parameters(
+    ("normal", NORMAL, "q8", "q8 signed"),
+    ("squares", NORMAL**2, "q8", "q8 unsigned"),
+    ("outlier", OUTLIER, "q8", "q8 signed"),
+    ("normal_fp8", NORMAL, "fp8", "fp8"),
+    ("squares_fp8", NORMAL**2, "fp8", "fp8"),
+    ("outlier_fp8", OUTLIER, "fp8", "fp8"),
+  )
+  def test_one_round_trip_is_within_the_stated_bound(self, x, fmt, kind):
+    q = quantize_(jnp.asarray(x), fmt)
+    back = np.asarray(dequantize_(q), np.float64)
+    rel, floor = quantize.ERROR_BOUNDS[kind]
+    error = np.abs(back - x)
+    bound = np.maximum(rel * np.abs(x), floor * block_max(x))
+    self.assertTrue(np.all(error <= bound), float(np.max(error / bound)))
+    # Not a vacuous bound: most elements err by a few percent, some near the bound.
+    relative = error / np.abs(x)
+    self.assertLess(float(np.median(relative)), 0.035)
+    self.assertGreater(float(np.max(error / bound)), 0.9)
+    # The largest magnitude of each block survives exactly ('q8'), and no nonzero
+    # element became zero.
+    if fmt == "q8":
+      np.testing.assert_array_equal(block_max(back), block_max(x))
+    self.assertFalse(np.any((back == 0) & (x != 0)))
+
+  def test_outlier_block_keeps_the_rest_to_the_relative_bound(self):
+    # With one element 1e4 times the others, a linear 8-bit code of the block would
+    # hold every other element as 0; here each keeps the relative bound unless it
+    # is below the floor (1.9e-5 of the outlier, 0.19 here).
+    back = np.asarray(dequantize_(quantize_(jnp.asarray(OUTLIER), "q8")))
+    rel, floor = quantize.ERROR_BOUNDS["q8 signed"]
+    small = np.abs(OUTLIER) >= floor * 1e4
+    np.testing.assert_array_less(
+      np.abs(back - OUTLIER)[small], rel * np.abs(OUTLIER)[small] + 1e-12
+    )
+    self.assertGreater(small.mean(), 0.8)
+
+  def test_codes_are_a_neighbour_in_an_independent_table_unbiased(self):
+    # Signed blocks (N(0,1)) and unsigned ones (squares, down to 1e-12 of the max).
+    unsigned = np.concatenate([NORMAL[:, :200] ** 2, 10.0 ** -RNG.uniform(0, 12, (32, 56))], 1)
+    for x, top in ((NORMAL[:, :256], 127), (unsigned.astype(np.float32), 255)):
+      q = quantize_(jnp.asarray(x), "q8")
+      codes = np.asarray(q.codes).astype(np.int64)
+      table = code_values(top)
+      m = codes & 0x7F if top == 127 else codes
+      np.testing.assert_array_equal(np.sign(x) < 0, (codes >= 0x80) if top == 127 else False)
+      r = np.abs(x) / np.abs(x).max(axis=1, keepdims=True).astype(np.float32)
+      lower, upper = neighbours(r.astype(np.float64), table)
+      got = table[m]
+      # Below the smallest code: the smallest code (never zero).
+      lower = np.where(r < table[1], table[1], lower)
+      upper = np.where(r < table[1], table[1], upper)
+      self.assertTrue(np.all((got == lower) | (got == upper)))
+      # Up with probability (r - lower) / (upper - lower): over 8192 elements
+      # the mean of (got - r) / step is 0 within five standard errors.
+      step = upper - lower
+      inside = step > 0
+      self.assertGreater(inside.mean(), 0.9)
+      bias = np.mean((got - r)[inside] / step[inside])
+      self.assertLess(abs(bias), 5 * 0.5 / np.sqrt(inside.sum()))
+
+  def test_fp8_codes_are_an_e4m3_neighbour_of_the_block_scaled_to_448(self):
+    x = NORMAL[:4]
+    q = quantize_(jnp.asarray(x), "fp8")
+    self.assertEqual(q.codes.dtype, jnp.float8_e4m3fn)
+    y = (x / (block_max(x) / np.float32(448))).astype(np.float32)
+    near = y.astype(ml_dtypes.float8_e4m3fn)
+    away = np.nextafter(near, np.where(near.astype(np.float32) < y, 448, -448).astype(near.dtype))
+    got = np.asarray(q.codes)
+    self.assertTrue(np.all((got == near) | (got == away) | ((near == 0) & (np.abs(got) == 2**-9))))
+    np.testing.assert_allclose(np.asarray(q.scales), block_max(x)[:, ::256] / 448, rtol=1e-7)
+
+  def test_a_moving_average_stored_in_8_bits_follows_the_float32_one(self):
+    # Adam's second moment moves by 0.1% of itself a step, below half a code step
+    # (3% to 6%): rounded to nearest it would stay where it is. Each element starts
+    # at 1.0, its block's largest at 2.0 (held), and sees g**2 = 0.5 every step.
+    def run(fmt):
+      def step(q, _):
+        nu = quantize.dequantize(q)
+        return quantize.quantize(0.999 * nu + 0.001 * target, fmt, q.count + 1), None
+
+      start = np.ones((16, 256), np.float32)
+      start[:, 0] = 2.0
+      target = np.full((16, 256), 0.5, np.float32)
+      target[:, 0] = 2.0
+      q, _ = jax.lax.scan(step, quantize.quantize(jnp.asarray(start), fmt), None, length=2000)
+      return quantize.dequantize(q)[:, 1:]
+
+    expected = 0.5 + 0.5 * 0.999**2000  # 0.568
+    for fmt in quantize.FORMATS:
+      got = np.asarray(jax.jit(run, static_argnums=0)(fmt))
+      self.assertAlmostEqual(float(got.mean()), expected, delta=0.01)
+
+
+class LayoutTest(parameterized.TestCase):
+  @parameterized.parameters(
+    ((64, 512), (64, 2)),  # rows of 512: two blocks each
+    ((16, 64), (4,)),  # rows of 64 are merged: 1024 elements, four blocks
+    ((3, 300), (3, 2)),  # a short last block per row
+    ((5000,), (20,)),
+    ((2, 8, 4, 32), (2, 4)),  # the fewest trailing axes that hold 256: 8 * 4 * 32
+  )
+  def test_blocks_lie_in_the_trailing_axes(self, shape, scales_shape):
+    x = jax.random.normal(jax.random.key(1), shape)
+    for fmt in quantize.FORMATS:
+      q = quantize_(x, fmt)
+      self.assertEqual(q.codes.shape, shape)
+      self.assertEqual(q.scales.shape, scales_shape)
+      self.assertEqual(q.scales.dtype, jnp.float32)
+      back = dequantize_(q)
+      chex.assert_trees_all_close(back, x, rtol=0.13, atol=1e-3)
+
+  def test_a_block_keeps_its_own_scale_and_sign(self):
+    x = np.concatenate([np.linspace(0.0, 1.0, 256), -np.linspace(0, 1e-3, 256)]).astype(np.float32)
+    q = quantize_(jnp.asarray(x), "q8")
+    np.testing.assert_array_equal(q.scales, np.float32([1.0, -1e-3]))  # -: a signed block
+    self.assertEqual(int(q.codes[255]), 255)  # unsigned: all 8 bits for the magnitude
+    self.assertEqual(int(q.codes[511]), 0x80 | 127)
+
+  def test_zeros_nans_infinities_and_negligible_blocks(self):
+    x = np.zeros((5, 256), np.float32)
+    x[1, 5], x[2, 9] = np.nan, np.inf
+    # A moment decaying towards float32's subnormals (an unused weight's, after
+    # ~800 Adam steps): below 2**-100 a block is stored as zeros, where its
+    # quotients would have met the CPU's flush to zero (and 'fp8' turned x / 0
+    # into NaN); just above, it is kept to the bound.
+    x[3] = NORMAL[0, :256] * 1e-36
+    x[4] = NORMAL[0, :256] * 1e-29
+    for fmt in quantize.FORMATS:
+      back = np.asarray(dequantize_(quantize_(jnp.asarray(x), fmt)))
+      np.testing.assert_array_equal(back[[0, 3]], 0.0)
+      self.assertTrue(np.all(np.isnan(back[1:3])))
+      np.testing.assert_allclose(back[4], x[4], rtol=0.13, atol=1e-29 * 2e-5)
+
+
+def params_of(dtype=jnp.float32):
+  """One leaf large enough to quantize, one below the threshold."""
+  return {
+    "w": (jnp.linspace(-1.0, 1.0, 64 * 256).reshape(64, 256) + 1.0).astype(dtype),
+    "b": jnp.linspace(0.0, 1.0, 64).astype(dtype),
+  }
+
+
+def grads_at(step, dtype=jnp.float32):
+  return jax.tree.map(
+    lambda p: (
+      (jnp.cos(jnp.arange(p.size, dtype=jnp.float32) * 0.37 + step) * 1e-2)
+      .reshape(p.shape)
+      .astype(dtype)
+    ),
+    params_of(),
+  )
+
+
+class StateDtypesTest(parameterized.TestCase):
+  def test_adam_steps_equal_a_hand_written_quantized_loop(self):
+    choice = {"mu": "q8", "nu": "fp8"}
+    tx = ols.state_dtypes(optax.adam(1e-2), choice)
+    adam = optax.adam(1e-2)
+    params = ref_params = params_of()
+    state = tx.init(params)
+    self.assertIsInstance(state[0].mu["w"], ols.QuantizedArray)
+    self.assertEqual((state[0].mu["w"].format, state[0].nu["w"].format), ("q8", "fp8"))
+    self.assertEqual(state[0].mu["b"].dtype, jnp.float32)  # 64 elements < 4096: as it was
+    ref_state = adam.init(params)
+    step = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+
+    @jax.jit
+    def ref_step(g, s, p, count):
+      # The k-th quantization of a leaf keys its rounding with k (init's is the 0th) and
+      # with the crc32 of the leaf's path in the state.
+      u, s = adam.update(g, s, p)
+      q = lambda x, fmt, path: quantize.quantize(x, fmt, count, np.uint32(zlib.crc32(path)))
+      mu = {**s[0].mu, "w": quantize.dequantize(q(s[0].mu["w"], "q8", b"[0].mu['w']"))}
+      nu = {**s[0].nu, "w": quantize.dequantize(q(s[0].nu["w"], "fp8", b"[0].nu['w']"))}
+      return optax.apply_updates(p, u), (s[0]._replace(mu=mu, nu=nu), *s[1:])
+
+    for i in range(5):
+      params, state = step(grads_at(i), state, params)
+      ref_params, ref_state = ref_step(grads_at(i), ref_state, ref_params, i + 1)
+      self.assertEqual(int(state[0].mu["w"].count), i + 1)
+      chex.assert_trees_all_equal(params, ref_params)
+      np.testing.assert_array_equal(state[0].mu["w"].dequantize(), ref_state[0].mu["w"])
+      np.testing.assert_array_equal(state[0].nu["w"].dequantize(), ref_state[0].nu["w"])
+    # The second moment is non-negative: its 'q8' blocks would be unsigned.
+    q = ols.state_dtypes(optax.adam(1e-2), "q8").update(grads_at(0), tx.init(params_of()))[1]
+    self.assertTrue(bool(jnp.all(q[0].nu["w"].scales >= 0)))
+    self.assertTrue(bool(jnp.all(q[0].nu["w"].codes <= 255)))
+
+  def test_any_optimizer_and_the_size_threshold(self):
+    params = params_of()
+    for inner in (optax.sgd(0.1, momentum=0.9), optax.lion(1e-3), optax.adafactor(1e-2)):
+      tx = ols.state_dtypes(inner, "q8", quantize_min_size=64)
+      state = tx.init(params)
+      state = jax.jit(tx.update)(grads_at(0), state, params)[1]
+      leaves = jax.tree.leaves(state, is_leaf=quantize.is_quantized)
+      big = [x for x in leaves if quantize.is_quantized(x)]
+      self.assertNotEmpty(big)
+      for x in leaves:
+        if not quantize.is_quantized(x) and jnp.issubdtype(x.dtype, jnp.floating):
+          self.assertLess(x.size, 64)
+
+  def test_under_scan_and_a_skipped_step_leaves_codes_and_scales(self):
+    tx = ols.loss_scale_optimizer(
+      ols.master_weights(
+        ols.state_dtypes(optax.adam(1e-3), {"mu": "q8", "nu": "q8"}), store="remainder"
+      ),
+      ols.DynamicLossScale(2.0**10),
+    )
+    params = params_of(BF16)
+    state = tx.init(params)
+
+    def body(carry, i):
+      params, state = carry
+      grads = jax.tree.map(lambda g: (g * 2.0**10).astype(BF16), grads_at(i))
+      return ols.apply_gradients(tx, grads, state, params), None
+
+    (params, state), _ = jax.jit(lambda c: jax.lax.scan(body, c, jnp.arange(3)))((params, state))
+    mu = state.inner_state.inner_state[0].mu["w"]
+    self.assertEqual((mu.codes.dtype, mu.scales.dtype), (jnp.uint8, jnp.float32))
+    poisoned = {**grads_at(3, BF16), "w": jnp.full((64, 256), jnp.nan, BF16)}
+    new_params, new_state = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(
+      poisoned, state, params
+    )
+    self.assertFalse(bool(new_state.last_step_applied))
+    chex.assert_trees_all_equal(new_params, params)
+    chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+    chex.assert_trees_all_equal_dtypes(new_state.inner_state, state.inner_state)
+    # skip_bad_steps likewise, with stochastic rounding's key.
+    tx = ols.skip_bad_steps(ols.stochastic_rounding(ols.state_dtypes(optax.adam(1e-3), "q8"), 0))
+    step = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+    params, state = step(grads_at(0, BF16), tx.init(params), params)
+    new_params, new_state = step(poisoned, state, params)
+    self.assertEqual(int(new_state.nonfinite_skips), 1)
+    chex.assert_trees_all_equal(new_params, params)
+    chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+
+  def test_bytes_per_parameter_counted_from_the_pytrees(self):
+    # Adam on bfloat16 parameters, the parameters included: 12 for float32 Adam,
+    # 14 with a master copy; with 'q8' moments, 6 and 4 (and the scales, 4 bytes a
+    # block of 256 per moment: 1/32 byte).
+    params = {"w": jnp.zeros((256, 1024), BF16), "v": jnp.zeros((1024, 512), BF16)}
+    n = sum(x.size for x in jax.tree.leaves(params))
+    q8 = lambda: ols.state_dtypes(optax.adam(1e-3), {"mu": "q8", "nu": "q8"})
+    rows = {
+      "float32 adam": (jax.tree.map(lambda p: p.astype(jnp.float32), params), optax.adam(1e-3)),
+      "master_weights": (params, ols.master_weights(optax.adam(1e-3))),
+      "remainder q8": (params, ols.master_weights(q8(), store="remainder")),
+      "rounding q8": (params, ols.stochastic_rounding(q8(), key=0)),
+    }
+    per_param = {}
+    for name, (p, tx) in rows.items():
+      state = jax.eval_shape(tx.init, p)
+      total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((p, state)))
+      per_param[name] = total / n
+    self.assertAlmostEqual(per_param["float32 adam"], 12, delta=1e-4)
+    self.assertAlmostEqual(per_param["master_weights"], 14, delta=1e-4)
+    self.assertAlmostEqual(per_param["remainder q8"], 6 + 2 / 64, delta=1e-4)
+    self.assertAlmostEqual(per_param["rounding q8"], 4 + 2 / 64, delta=1e-4)
+
+  def test_formats_are_refused_where_they_do_not_belong(self):
+    with self.assertRaisesRegex(ValueError, r"dtypes\['mu'\] must be .* or a format 'q8'"):
+      ols.state_dtypes(optax.adam(1e-3), {"mu": "q4"})
+    with self.assertRaisesRegex(ValueError, r"quantize_min_size must be an int >= 0"):
+      ols.state_dtypes(optax.adam(1e-3), "q8", quantize_min_size=-1)
+    with self.assertRaisesRegex(TypeError, r"compute_dtype must be a floating dtype"):
+      ols.Policy("f32", "q8", "f32")
