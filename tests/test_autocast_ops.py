@@ -11,6 +11,7 @@ broad corpus; these are the named cases, with their magnitudes.
 
 import jax
 from jax import lax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -18,9 +19,16 @@ import pytest
 
 import optax_lossscale as ols
 from tests.autocast_helpers import matmul_inputs
+from tests.autocast_known_failures import strict
 
 F16 = "p=f32,c=f16,o=f32"
 BF16 = "p=f32,c=bf16,o=f32"
+
+
+def known(reason):
+  """Fails on today's autocast for `reason` (issue 30): delete the mark with the fix."""
+  return pytest.mark.xfail(strict=strict(), reason=reason)
+
 
 
 def _close(got, want, rtol):
@@ -33,6 +41,7 @@ def _close(got, want, rtol):
 # -- part 1: extreme magnitudes.
 
 
+@known("log_softmax's x - max(x) runs in float16 and overflows: NaN")
 def test_softmax_cross_entropy_of_logits_4e4_apart_in_float16():
   # Logits of +-4e4 each fit float16; their difference (8e4, in log_softmax) does not.
   x = jnp.array([[1.0, -1.0, 0.0], [-1.0, 0.5, 1.0]])
@@ -42,11 +51,15 @@ def test_softmax_cross_entropy_of_logits_4e4_apart_in_float16():
   _close(ols.autocast(loss, F16)(w, x), loss(w, x), 1e-3)
 
 
+@known("a loss's difference of two 16-bit activations overflows float16: inf")
 def test_squared_error_of_values_near_4e4_in_float16():
   # Predictions and targets both activations of +-4e4: their difference overflows float16.
   x, w = jnp.array([[4.0, -4.0], [3.0, -4.5]]), jnp.eye(2) * 1e4
   loss = lambda w, x: jnp.mean(optax.squared_error((x @ w)[:, 0], (x @ w)[:, 1]))
   _close(ols.autocast(loss, F16)(w, x), loss(w, x), 1e-3)
+
+
+_NORM = "jnp.linalg.norm squares with x * conj(x), a 16-bit mul: inf norms, zero outputs and grads"
 
 
 def _activations_300():
@@ -57,10 +70,12 @@ def _activations_300():
 @pytest.mark.parametrize(
   "normalise",
   [
-    lambda h: jnp.linalg.norm(h, axis=-1),
-    lambda h: h / jnp.linalg.norm(h, axis=-1, keepdims=True),  # L2 normalisation
+    pytest.param(lambda h: jnp.linalg.norm(h, axis=-1), id="norm", marks=known(_NORM)),
+    pytest.param(  # L2 normalisation
+      lambda h: h / jnp.linalg.norm(h, axis=-1, keepdims=True), id="l2_normalise",
+      marks=known(_NORM),
+    ),
   ],
-  ids=["norm", "l2_normalise"],
 )
 def test_norm_and_l2_normalisation_of_activations_of_300_in_float16(normalise):
   x, w = _activations_300()
@@ -74,6 +89,7 @@ def test_norm_and_l2_normalisation_of_activations_of_300_in_float16(normalise):
   np.testing.assert_allclose(g, want, rtol=2e-2, atol=2e-3 * float(jnp.max(jnp.abs(want))))
 
 
+@known("a square written h * h runs in float16 and overflows")
 def test_hand_written_rms_norm_of_activations_near_300_in_float16():
   # A square written `h * h` (not jnp.square): 300**2 overflows float16.
   x, w = _activations_300()
@@ -84,6 +100,7 @@ def test_hand_written_rms_norm_of_activations_near_300_in_float16():
   _close(ols.autocast(rms_norm, F16)(w, x), rms_norm(w, x), 2e-3)
 
 
+@known("reduce_window_sum accumulates in bfloat16")
 def test_a_1024_wide_mean_by_reduce_window_in_bfloat16():
   x = jnp.linspace(0.5, 1.5, 2048).reshape(1, 2048)
   w = jnp.ones((1, 1))
@@ -95,6 +112,7 @@ def test_a_1024_wide_mean_by_reduce_window_in_bfloat16():
   np.testing.assert_allclose(got, want, atol=1e-2)
 
 
+@known("reduce_window_sum accumulates in float16 and overflows")
 def test_average_pool_of_four_values_of_3e4_in_float16():
   x, w = jnp.full((1, 4), 3.0), jnp.eye(4) * 1e4  # four 3e4: their sum overflows float16
   pool = lambda w, x: lax.reduce_window((x @ w).reshape(1, 2, 2, 1), 0.0, lax.add, (1, 2, 2, 1),
@@ -104,6 +122,7 @@ def test_average_pool_of_four_values_of_3e4_in_float16():
   assert float(got.ravel()[0]) == 3e4
 
 
+@known("a constant held in gather's parameters (fill_value) is cast to float16: -inf")
 def test_take_fills_with_the_functions_constant_not_minus_inf_in_float16():
   take = lambda w, x: jnp.take(x @ w, jnp.array([0, 5, 1]), axis=1, mode="fill", fill_value=-1e9)
   x, w = jnp.ones((2, 3)), jnp.eye(3)
@@ -113,6 +132,7 @@ def test_take_fills_with_the_functions_constant_not_minus_inf_in_float16():
   assert float(got[0, 1]) == -1e9
 
 
+@known("a float loop counter started from an activation stays float16: stops at 2048")
 def test_a_float_loop_counter_started_from_an_activation_counts_past_2048():
   # while_loop(lambda c: c < 3000., lambda c: c + 1., (x @ w)[0] * 0.) never ends if the counter
   # stays float16 (2048 + 1 rounds to 2048). Bounded here by an int guard, so that a failure is
@@ -128,6 +148,7 @@ def test_a_float_loop_counter_started_from_an_activation_counts_past_2048():
   assert (float(counter), int(steps)) == (3000.0, 3000)
 
 
+@known("the function's float32 logits (preferred_element_type) are rounded to float16: NaN")
 def test_dot_product_attention_in_float16_is_finite_and_close_to_float32():
   # jax.nn.dot_product_attention asks for float32 logits (preferred_element_type): here they
   # reach 1e5, above float16's 65504. Kept in float32, the error is the inputs' rounding (3e-4).
@@ -144,6 +165,7 @@ def test_dot_product_attention_in_float16_is_finite_and_close_to_float32():
   np.testing.assert_allclose(got, want, atol=2e-3 * float(jnp.max(jnp.abs(want))))
 
 
+@known("a product's own preferred_element_type=float32 is overridden (rounded to float16)")
 def test_an_explicit_float32_accumulation_in_the_function_is_kept():
   # The function computes in float16 itself and asks for a float32 result: 2049 is not a float16.
   def f(w, x):
@@ -157,6 +179,7 @@ def test_an_explicit_float32_accumulation_in_the_function_is_kept():
 # -- part 1: complex values are never cast to a real dtype.
 
 
+@known("complex outputs are cast to the real output dtype")
 def test_fft_under_a_float32_policy_returns_complex():
   x = jnp.arange(8.0)
   got = ols.autocast(jnp.fft.fft, "f32")(x)
@@ -164,6 +187,7 @@ def test_fft_under_a_float32_policy_returns_complex():
   np.testing.assert_allclose(got, jnp.fft.fft(x), rtol=1e-6, atol=1e-5)
 
 
+@known("complex operands of a product are cast to the real compute dtype")
 @pytest.mark.parametrize("policy", [F16, BF16])
 def test_a_complex_matrix_product_stays_complex(policy):
   a = jnp.arange(6.0).reshape(2, 3) + 1j * jnp.ones((2, 3))
@@ -176,6 +200,7 @@ def test_a_complex_matrix_product_stays_complex(policy):
   assert all("complex" in d for dts in matmul_inputs(jaxpr) for d in dts), matmul_inputs(jaxpr)
 
 
+@known("lax.complex rebound on 16-bit operands raises inside JAX")
 @pytest.mark.parametrize("policy", [F16, BF16])
 def test_lax_complex_of_16_bit_operands(policy):
   f = lambda w, x: jnp.abs(lax.complex(x @ w, (x @ w) * 2.0)) + jnp.angle(lax.complex(x @ w, 1.0))
@@ -186,6 +211,7 @@ def test_lax_complex_of_16_bit_operands(policy):
 # -- part 1: compute dtypes autocast cannot honour are refused.
 
 
+@known("c=f64 without x64 is accepted")
 def test_a_float64_compute_dtype_without_x64_is_refused():
   if jax.config.jax_enable_x64:
     pytest.skip("with x64 enabled, float64 is a real dtype")
@@ -194,6 +220,7 @@ def test_a_float64_compute_dtype_without_x64_is_refused():
     ols.autocast(lambda w, x: x @ w, "p=f32,c=f64,o=f32")(w, x)
 
 
+@known("an fp8 compute dtype is accepted (products above 448 are NaN)")
 def test_an_fp8_compute_dtype_is_refused():
   x, w = jnp.ones((2, 3)), jnp.full((3, 2), 200.0)  # products of 600: NaN in float8_e4m3fn
   with pytest.raises(ValueError, match="float8_e4m3fn"):
@@ -204,7 +231,14 @@ def test_an_fp8_compute_dtype_is_refused():
 # -- part 1: in-place updates of integer leaves.
 
 
-@pytest.mark.parametrize("increment", [1, 0.5], ids=["int", "float"])
+@pytest.mark.parametrize(
+  "increment",
+  [
+    pytest.param(1, id="int"),
+    pytest.param(0.5, id="float", marks=known("a float written into an int leaf is cast (truncated)"
+                                              " back to the leaf's int dtype")),
+  ],
+)  # fmt: skip
 def test_an_in_place_update_of_an_int_leaf_is_written_as_the_function_writes_it(increment):
   def step(state, w, x):
     state["count"] = state["count"] + increment
@@ -224,25 +258,30 @@ def test_an_in_place_update_of_an_int_leaf_is_written_as_the_function_writes_it(
 # -- part 2: everyday primitives and structures.
 
 
-_EVERYDAY_IDS = ["stack", "unstack", "select", "det", "slogdet", "corrcoef", "checkpoint_name",
-                 "lu_pivots_to_permutation"]  # fmt: skip
+def _no_rule(name):
+  return known(f"no rule for the primitive {name!r}")
 
 
 @pytest.mark.parametrize("policy", [F16, BF16])
 @pytest.mark.parametrize(
   "op",
   [
-    lambda h: jnp.stack([h, h * 2]),
-    lambda h: jnp.unstack(h)[1],
-    lambda h: jnp.select([h > 0, h < -1], [h, h * h], 0.5),
-    lambda h: jnp.linalg.det(h[:, :4] + 4 * jnp.eye(4)),  # platform_index for n >= 4
-    lambda h: jnp.linalg.slogdet(h[:, :4] + 4 * jnp.eye(4))[1],
-    lambda h: jnp.corrcoef(h),
-    lambda h: jax.ad_checkpoint.checkpoint_name(h, "act") * 2,
-    lambda h: lax.linalg.lu_pivots_to_permutation(lax.linalg.lu(h[:, :4])[1], 4) * h[:, 0],
+    pytest.param(lambda h: jnp.stack([h, h * 2]), id="stack", marks=_no_rule("stack")),
+    pytest.param(lambda h: jnp.unstack(h)[1], id="unstack", marks=_no_rule("unstack")),
+    pytest.param(lambda h: jnp.select([h > 0, h < -1], [h, h * h], 0.5), id="select",
+                 marks=_no_rule("stack")),
+    pytest.param(lambda h: jnp.linalg.det(h[:, :4] + 4 * jnp.eye(4)), id="det",  # n >= 4
+                 marks=_no_rule("platform_index")),
+    pytest.param(lambda h: jnp.linalg.slogdet(h[:, :4] + 4 * jnp.eye(4))[1], id="slogdet",
+                 marks=_no_rule("platform_index")),
+    pytest.param(lambda h: jnp.corrcoef(h), id="corrcoef", marks=_no_rule("platform_index")),
+    pytest.param(lambda h: jax.ad_checkpoint.checkpoint_name(h, "act") * 2, id="checkpoint_name",
+                 marks=_no_rule("name")),
+    pytest.param(lambda h: lax.linalg.lu_pivots_to_permutation(lax.linalg.lu(h[:, :4])[1], 4)
+                 * h[:, 0], id="lu_pivots_to_permutation",
+                 marks=_no_rule("lu_pivots_to_permutation")),
   ],
-  ids=_EVERYDAY_IDS,
-)
+)  # fmt: skip
 def test_everyday_primitives_have_rules(op, policy):
   x = jnp.array([[1.0, -2.0, 0.5, 3.0], [0.25, 1.5, -1.0, 2.0], [2.0, 0.5, 1.0, -0.5],
                  [-1.5, 1.0, 0.75, 0.5]])  # fmt: skip
@@ -251,6 +290,7 @@ def test_everyday_primitives_have_rules(op, policy):
   np.testing.assert_allclose(got, want, rtol=3e-2, atol=1e-2)
 
 
+@known("no rule for the primitive 'name' (checkpoint_name)")
 def test_a_remat_policy_that_saves_named_activations():
   def block(w, x):
     a = jax.ad_checkpoint.checkpoint_name(jnp.tanh(x @ w), "act")
@@ -262,6 +302,7 @@ def test_a_remat_policy_that_saves_named_activations():
   np.testing.assert_allclose(jax.grad(mixed)(w, x), jax.grad(remat)(w, x), rtol=1e-2)
 
 
+@known("typed keys in a loop carry or cond output: Cannot interpret 'key<fry>' as a data type")
 def test_typed_prng_keys_in_a_loop_carry_and_a_cond_output():
   def f(w, x, key):
     h = x @ w
@@ -281,6 +322,7 @@ def test_typed_prng_keys_in_a_loop_carry_and_a_cond_output():
   np.testing.assert_allclose(h, want_h, rtol=1e-2)
 
 
+@known("typed keys in a loop carry: Cannot interpret 'key<fry>' as a data type")
 @pytest.mark.parametrize(
   "sample",
   [
@@ -296,6 +338,7 @@ def test_samplers_whose_loops_carry_keys(sample):
   np.testing.assert_array_equal(ols.autocast(f, F16)(w, x, key), f(w, x, key))
 
 
+@known("a batched while loop re-bound by autocast: cond_fun must return a boolean scalar")
 @pytest.mark.parametrize(
   "special",
   [
@@ -313,6 +356,7 @@ def test_special_functions_with_loops(special):
   _close(ols.autocast(f, F16)(w, x), f(w, x), 1e-2)
 
 
+@known("a batched while loop re-bound by autocast: cond_fun must return a boolean scalar")
 def test_autocast_of_vmap_of_a_data_dependent_while_loop():
   def halve_until_small(h):
     return lax.while_loop(lambda c: jnp.max(jnp.abs(c)) > 1.0, lambda c: c * 0.5, h)

@@ -270,3 +270,13 @@ def test_low_precision_benchmark_measures_every_variant(capsys):
   table = lpp.markdown(report)
   for name in results:
     assert f"| {name} |" in table
+
+
+@pytest.mark.skipif(not _installed("torch"), reason="compares with PyTorch, not a dependency")
+def test_autocast_vs_torch_benchmark_runs(capsys):
+  from benchmarks import autocast_vs_torch
+
+  report = autocast_vs_torch.main(["--quick"])
+  assert list(report["rows"]) == list(autocast_vs_torch.QUICK)
+  assert all(r["torch_finite"] and r["ours_finite"] for r in report["rows"].values())
+  assert "| exp |" in capsys.readouterr().out
