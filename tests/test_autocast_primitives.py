@@ -216,6 +216,7 @@ def _unknown_primitive_message():
   return str(info.value)
 
 
+@pytest.mark.xfail(strict=True, reason="the message suggests only 'as_written' (silently float32)")
 def test_the_unknown_primitive_error_names_the_rule_that_keeps_16_bit_work_in_16_bits():
   # Today the message suggests only 'as_written', which runs the primitive on the float32 the
   # function declares: silently float32. It must offer 'widest' too, and say that 'widest' is
