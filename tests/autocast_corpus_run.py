@@ -31,7 +31,7 @@ import pytest
 import optax_lossscale as ols
 from tests.autocast_corpus import BY_NAME, ENTRIES, Entry
 from tests.autocast_helpers import MATMULS
-from tests.autocast_known_failures import known_failure, strict
+from tests.autocast_known_failures import crashes, known_failure, strict
 
 POLICIES = {"f16": "p=f32,c=f16,o=f32", "bf16": "p=f32,c=bf16,o=f32"}
 COMPUTE = {"f16": jnp.float16, "bf16": jnp.bfloat16}
@@ -86,7 +86,9 @@ def selected_cases(dtype: str) -> list[tuple[str, str, str]]:
   return [
     c
     for c in cases()
-    if c[1] == dtype and (FULL or (not BY_NAME[c[0]].full_only and sampled(c[0]) == c[1:]))
+    if c[1] == dtype
+    and (FULL or (not BY_NAME[c[0]].full_only and sampled(c[0]) == c[1:]))
+    and not crashes(*c)
   ]
 
 
@@ -205,9 +207,14 @@ def run_group(names: Sequence[str], mode: str, dtype: str | None) -> dict[str, O
 def params(dtype: str) -> list[Any]:
   """The selected cases of `dtype` as pytest parameters, known failures marked xfail."""
   out = []
-  for name, d, mode in selected_cases(dtype):
+  crashing = [
+    c for c in cases() if c[1] == dtype and crashes(*c) and (FULL or sampled(c[0]) == c[1:])
+  ]
+  for name, d, mode in selected_cases(dtype) + crashing:
     reason = known_failure(name, d, mode)
     marks = [pytest.mark.xfail(strict=strict(), reason=reason)] if reason else []
+    if crashes(name, d, mode):
+      marks = [pytest.mark.skip(reason=crashes(name, d, mode))]
     out.append(pytest.param(name, d, mode, id=f"{name}-{mode}", marks=marks))
   return out
 

@@ -25,7 +25,13 @@ import pytest
 import optax_lossscale as ols
 from tests import autocast_corpus_run as corpus
 from tests.autocast_corpus import BY_NAME, ENTRIES
-from tests.autocast_known_failures import KNOWN_FAILURES, _pattern, known_failure
+from tests.autocast_known_failures import (
+  KNOWN_FAILURES,
+  RECORDED_ON,
+  _pattern,
+  known_failure,
+  strict,
+)
 
 
 @pytest.mark.parametrize(("name", "dtype", "mode"), corpus.params("f16"))
@@ -52,6 +58,8 @@ def test_every_dtype_and_mode_is_sampled():
 
 
 def test_every_known_failure_names_a_case():
+  if not strict():
+    pytest.skip(f"the known failures name jax {RECORDED_ON}'s entries (some are absent here)")
   cases = corpus.cases()
   stale = [
     key
