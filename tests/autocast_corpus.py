@@ -875,6 +875,9 @@ add("lax.dot[precision=highest]", lambda x, w: lax.dot(x, w, precision=lax.Preci
     dense((3, 4), (4, 5)))  # fmt: skip
 add("lax.einsum[preferred=f32]", lambda x, w: jnp.einsum("ij,jk->ik", x, w,
     preferred_element_type=jnp.float32), dense((3, 4), (4, 5)), products="any")  # fmt: skip
+add("lax.dot[fp8]", lambda x, w, v: lax.dot((x @ w).astype(jnp.float8_e4m3fn), v.astype(
+    jnp.float8_e4m3fn), preferred_element_type=jnp.float32), with_extra(act(-2, 2), lambda rng: grid(
+    rng, (4, 3), -1, 1)), grad=False)  # fmt: skip  (an fp8 layer's own product: run as written)
 add("lax.ragged_dot", lambda x, w: lax.ragged_dot(x, w, jnp.array([2, 4], jnp.int32)),
     dense((6, 4), (2, 4, 3)), vmap=False)  # fmt: skip
 

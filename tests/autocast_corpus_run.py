@@ -312,14 +312,18 @@ def products(jaxpr: Any) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def check_products(entry: Entry, dtype: str, jaxpr: Any) -> None:
-  """Every real floating product takes compute-dtype inputs (unless the entry fixes its own)."""
+  """Every real floating product takes compute-dtype inputs (unless the entry fixes its own).
+
+  Complex and integer products are not cast; nor are fp8 ones (an fp8 layer's own).
+  """
   if entry.products != "compute":
     return
   want = str(np.dtype(COMPUTE[dtype]))
   wrong = [
     (name, dts)
     for name, dts in products(jaxpr)
-    if all(np.issubdtype(np.dtype(d), np.floating) for d in dts) and set(dts) != {want}
+    if all(jnp.issubdtype(jnp.dtype(d), jnp.floating) and jnp.dtype(d).itemsize > 1 for d in dts)
+    and set(dts) != {want}
   ]
   assert not wrong, f"products not on {want} inputs: {wrong}"
 
