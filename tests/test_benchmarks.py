@@ -349,3 +349,13 @@ def test_low_precision_update_cost_and_bytes_table():
   text = lpp.markdown(report)
   assert "| master_weights, remainder | " in text and "| stochastic rounding, q8 moments | " in text
   assert "| hash, one round |" in text
+
+
+@pytest.mark.skipif(not _installed("torch"), reason="compares with PyTorch, not a dependency")
+def test_autocast_vs_torch_benchmark_runs(capsys):
+  from benchmarks import autocast_vs_torch
+
+  report = autocast_vs_torch.main(["--quick"])
+  assert list(report["rows"]) == list(autocast_vs_torch.QUICK)
+  assert all(r["torch_finite"] and r["ours_finite"] for r in report["rows"].values())
+  assert "| exp |" in capsys.readouterr().out

@@ -163,19 +163,42 @@ def while_loop(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   test = lambda carry: loop.eval_closed(ctx, p["cond_jaxpr"], [*cond_consts, *carry], cond_kinds)[0]
   dtypes = _carry_dtypes(body, init)
   step = lambda carry: interp.cast_all(body(carry), dtypes)
+  if p["cond_jaxpr"].out_avals[0].shape:
+    step = _batched_step(test, step)
   return list(lax.while_loop(lambda c: _predicate(test(c)), step, interp.cast_all(init, dtypes)))
 
 
 def _predicate(pred: Any) -> Any:
   """A while loop's test as `lax.while_loop` wants it: a boolean scalar.
 
-  A literal test is a NumPy bool. A batched one (the jaxpr of `jax.vmap` of a
-  loop whose test depends on the mapped values holds one test per element,
-  and a body that leaves finished elements unchanged) loops while any
-  element's does, as JAX lowers it.
+  A literal test is a NumPy bool; a batched one (below) loops while any
+  element's test holds.
   """
   pred = jnp.asarray(pred, dtype=bool)
   return jnp.any(pred) if pred.ndim else pred
+
+
+def _batched_step(
+  test: Callable[[Sequence[Any]], Any], step: Callable[[Sequence[Any]], list[Any]]
+) -> Callable[[Sequence[Any]], list[Any]]:
+  """The body of a batched `while`, as JAX lowers it.
+
+  The jaxpr of `jax.vmap` of a loop whose test depends on the mapped values
+  holds one test per element (its shape a prefix of each carry's); JAX's
+  lowering loops while any holds and steps only the elements whose test
+  holds, keeping the others. `lax.while_loop` takes scalar tests only, so
+  the selection is written out here.
+  """
+
+  def batched(carry: Sequence[Any]) -> list[Any]:
+    pred = jnp.asarray(test(carry), dtype=bool)
+    new = step(carry)
+    keep = lambda n, c: lax.select(
+      lax.broadcast_in_dim(pred, jnp.shape(c), tuple(range(pred.ndim))), n, c
+    )
+    return [keep(n, c) for n, c in zip(new, carry, strict=True)]
+
+  return batched
 
 
 def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:

@@ -16,9 +16,11 @@ without), so a new release's primitive is caught by CI, not by a user.
   and, being costly, never recomputed in a region's backward pass.
 - independent: operands that never meet (collectives, sort, sharding hints).
 - as_written: dtypes the function fixed (bitcasts, typed kernels, callbacks,
-  custom_vjp functions, scatters, references), and the primitives that only
-  live inside a Pallas or Mosaic kernel's own jaxpr (which autocast never
-  enters: `pallas_call` runs as written).
+  custom_vjp functions, scatters, references, sparse arrays).
+
+The primitives that only live inside a Pallas, Mosaic or Triton kernel's own
+jaxpr have no entry: `pallas_call` runs as written and autocast never enters
+its kernel (`tests/test_autocast_primitives.py` lists them).
 
 The float32 and widest primitives join regions; everything else is a region
 boundary (`name`, `checkpoint_name`'s primitive, too: it marks what a remat
@@ -39,7 +41,7 @@ COMPUTE = ("dot_general", "conv_general_dilated", "ragged_dot_general")
 # Arithmetic: inputs promoted to at least float32.
 FLOAT32 = (
   "add", "add_any", "sub", "mul", "div", "rem", "pow", "integer_pow", "square", "sqrt",
-  "rsqrt", "cbrt", "reciprocal", "exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh",
+  "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh",
   "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh",
   "atanh", "erf", "erfc", "erf_inv", "lgamma", "digamma", "polygamma", "igamma", "igammac",
   "igamma_grad_a", "random_gamma_grad", "zeta", "bessel_i0e", "bessel_i1e",
@@ -72,7 +74,7 @@ WIDEST = (
 KERNELS = (
   "fft", "cholesky", "cholesky_update", "eig", "eigh", "svd", "qr", "lu", "schur",
   "hessenberg", "tridiagonal", "tridiagonal_solve", "triangular_solve", "householder_product",
-  "geqrf", "geqp3", "ormqr", "symmetric_product",
+  "geqrf", "geqp3", "ormqr", "symmetric_product", "eigh_jacobi",
 )  # fmt: skip
 
 # Operands that never meet: each keeps its dtype.
@@ -91,6 +93,8 @@ INDEPENDENT = (
   "layout_constraint", "with_memory_space_constraint", "shard_alike", "inspect_sharding",
   "axis_index", "platform_index", "create_token", "after_all", "dce_sink", "tie", "pin",
   "unpin", "dimension_size", "dim_as_value", "shape_assertion", "lu_pivots_to_permutation",
+  "full_to_shard", "shard_to_full", "pgather", "global_array_to_host_local_array",
+  "host_local_array_to_global_array",
 )  # fmt: skip
 
 # Dtypes fixed by the function: bitcasts, typed kernels and callbacks, custom_vjp, refs.
@@ -101,6 +105,10 @@ AS_WRITTEN = (
   "pallas_call", "tpu_custom_call", "cudnn_fusion", "custom_partitioning",
   "custom_linear_solve", "custom_vmap_call", "linear_call", "custom_lin", "remat_opt",
   "composite", "compute_on", "call_exported", "check", "xla_metadata_value", "eval_jaxpr",
+  "xla_metadata_call", "fused_call", "scheduling_group", "custom_transpose_call",
+  "custom_dce_call", "dce_sential", "for", "assert_consumed_value", "consume", "array_ref",
+  # jax < 0.8 only: pmap's own primitive (later releases build pmap from jit and shard_map)
+  "xla_pmap",
   "reduce", "reduce_window", "select_and_scatter", "scatter", "scatter-add", "scatter-sub",
   "scatter-mul", "scatter-min", "scatter-max", "scatter_add", "scatter_mul", "scatter_min",
   "scatter_max", "to_edtype", "from_edtype", "unreachable",
@@ -109,20 +117,22 @@ AS_WRITTEN = (
   "dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper",
   "dot_product_attention_fp8_fwd", "dot_product_attention_fp8_bwd",
   "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fp8_bwd_wrapper",
-  "scaled_matmul", "scaled_matmul_wrapper", "scaled_dot",
+  "scaled_matmul", "scaled_matmul_wrapper", "scaled_dot", "rnn_fwd", "rnn_bwd", "bias_fwd",
+  "bias_bwd", "mosaic_gpu_p",
+  # sparse arrays (jax.experimental.sparse): typed kernels
+  "bcoo_dot_general", "bcoo_dot_general_sampled", "bcoo_extract", "bcoo_fromdense",
+  "bcoo_sort_indices", "bcoo_spdot_general", "bcoo_sum_duplicates", "bcoo_todense",
+  "bcoo_transpose", "bcsr_dot_general", "bcsr_extract", "bcsr_fromdense", "bcsr_todense",
+  "coo_fromdense", "coo_matmat", "coo_matvec", "coo_spmm", "coo_spmv", "coo_todense",
+  "csr_fromdense", "csr_matmat", "csr_matvec", "csr_spmm", "csr_spmv", "csr_todense", "todense",
+  "spsolve", "sparse_dense_matmul", "sparse_pack_nm",
   # references (mutable arrays) and hijax boxes: a write takes the reference's dtype
   "get", "swap", "addupdate", "new_ref", "empty_ref", "free_ref", "freeze",
   "accum_grad_in_ref", "create_linear", "broadcast_to", "run_state", "new_box", "box_get",
   "box_set", "new_log", "log_extend", "log_read", "call_hi_primitive",
   "call_hi_primitive_linearized", "stage",
-  # only inside a Pallas or Mosaic kernel's jaxpr, which autocast never enters
-  "program_id", "num_programs", "multiple_of", "delay", "get_global", "run_scoped",
-  "semaphore_read", "semaphore_signal", "semaphore_wait", "get_barrier_semaphore",
-  "dma_start", "dma_wait", "matmul_acc_lhs", "matmul_pop", "matmul_push_rhs", "prng_seed",
-  "prng_random_bits", "prng_split", "prng_join", "stochastic_round", "bitcast", "roll",
-  "trace_value", "pack_elementwise", "unpack_elementwise", "add_dependency", "jaxpr_call",
-  "masked_load", "masked_swap", "core_map", "mpmd_map", "fusible", "pack_dtype",
-  "unpack_dtype", "custom_fusion",
+  # whole kernels and fusions built by hand (Pallas core_map, fusers)
+  "core_map", "mpmd_map", "fusible", "pack_dtype", "unpack_dtype", "custom_fusion",
 )  # fmt: skip
 
 # Primitives holding jaxprs.
