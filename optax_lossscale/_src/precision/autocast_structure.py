@@ -27,6 +27,10 @@ from optax_lossscale._src.utils import compat
 _MAX_CONSTANT_SIZE = 4096
 
 
+# Rules within rules followed this deep at most (then the fragment is not cached).
+_MAX_RULE_DEPTH = 3
+
+
 class Unkeyable(Exception):
   """The fragment holds something that has no structural key."""
 
@@ -99,6 +103,8 @@ def _custom_jvp_key(eqn: Any, enclosing: tuple[Any, ...]) -> Any:
   is keyed as that function, not followed again (it would never end).
   """
   p = eqn.params
+  if len(enclosing) >= _MAX_RULE_DEPTH:  # rules calling functions whose rules call ...
+    raise Unkeyable("custom_jvp rules nested too deep")
   body = jaxpr_key(p["call_jaxpr"].jaxpr, p["call_jaxpr"].consts, enclosing)
   if body in enclosing:
     return ("custom_jvp, the enclosing one", enclosing.index(body))
