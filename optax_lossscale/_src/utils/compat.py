@@ -115,3 +115,18 @@ def saved_residuals(fun: Any, *args: Any) -> list[tuple[Any, str]]:
   from jax._src import ad_checkpoint
 
   return ad_checkpoint.saved_residuals(fun, *args)
+
+
+def is_drop_var(var: Any) -> bool:
+  """Whether a jaxpr equation's output variable is dropped (`_` in a printed jaxpr).
+
+  `jax.extend.core.DropVar` from jax 0.8; private (`jax._src.core`) before.
+  """
+  import jax.extend as jex
+
+  drop = getattr(jex.core, "DropVar", None)
+  if drop is None:  # jax < 0.8
+    from jax._src import core
+
+    drop = core.DropVar
+  return isinstance(var, drop)
