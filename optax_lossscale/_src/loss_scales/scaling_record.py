@@ -19,9 +19,7 @@ scaled at all:
 
 from __future__ import annotations
 
-from typing import TypeVar
-
-_T = TypeVar("_T")
+from typing import Any
 
 # Losses scaled (or marked as scaled) in this process so far.
 _count = 0
@@ -55,7 +53,7 @@ def scaled_count() -> int:
   return _count
 
 
-def mark_scaled(tree: _T) -> _T:
+def mark_scaled(tree: Any) -> Any:
   """Says that `tree` is a loss you scaled yourself, or the gradients of one.
 
   `loss_scale_optimizer` warns (`UnscaledGradientsWarning`) when it is given

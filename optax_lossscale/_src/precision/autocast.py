@@ -89,7 +89,7 @@ def autocast(
   r"""Returns `fun` running in mixed precision, the dtype of every op decided on its jaxpr.
 
   Write the function in float32; `autocast` picks, per primitive of its jaxpr,
-the way a fused kernel computes (float32 inside, 16 bits at its edges):
+  the way a fused kernel computes (float32 inside, 16 bits at its edges):
 
   - matrix products and convolutions (`dot_general`, `conv_general_dilated`,
     `ragged_dot_general`) take their floating operands in the policy's
