@@ -67,9 +67,9 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
     dims = eqn.params["dimension_numbers"]
     if fp8_product.eligible(*invals, dims, recipe=ctx.fp8):
       out = fp8_product.fp8_dot_general(
-        *invals, dimension_numbers=dims, recipe=ctx.fp8, compute_dtype=c, out_dtype=c
+        *invals, dimension_numbers=dims, recipe=ctx.fp8, compute_dtype=c, out_dtype=out_dtype(eqn)
       )
-      return [interp.cast(out, out_dtype(eqn))]
+      return [out]
   floats = [v for v in invals if interp.is_float(v)]
   if not floats or any(interp.is_complex(v) for v in floats):
     return interp.as_written(ctx, eqn, invals)
