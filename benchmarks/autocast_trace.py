@@ -92,10 +92,7 @@ def _trace_seconds(model: LM, policy: str | None, args: tuple[Any, ...]) -> floa
 
 
 def _first_in_fresh_process(layers: int, form: str, variant: str) -> float:
-  code = (
-    "from benchmarks.autocast_trace import _one; "
-    f"print(_one({layers}, {form!r}, {variant!r}))"
-  )
+  code = f"from benchmarks.autocast_trace import _one; print(_one({layers}, {form!r}, {variant!r}))"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   return float(out.stdout.strip().splitlines()[-1])
 

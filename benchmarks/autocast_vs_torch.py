@@ -70,12 +70,17 @@ def _ops(torch: Any) -> dict[str, Op]:
   t_targets = torch.tensor(targets)
   small, mid = (-4.0, 4.0), (0.25, 8.0)
   return {
-    "exp": (jnp.exp, torch.exp, small), "log": (jnp.log, torch.log, mid),
-    "tanh": (jnp.tanh, torch.tanh, small), "sigmoid": (jax.nn.sigmoid, torch.sigmoid, small),
+    "exp": (jnp.exp, torch.exp, small),
+    "log": (jnp.log, torch.log, mid),
+    "tanh": (jnp.tanh, torch.tanh, small),
+    "sigmoid": (jax.nn.sigmoid, torch.sigmoid, small),
     "gelu": (lambda h: jax.nn.gelu(h, approximate=False), F.gelu, small),
-    "silu": (jax.nn.silu, F.silu, small), "softplus": (jax.nn.softplus, F.softplus, small),
-    "erf": (jax.scipy.special.erf, torch.erf, small), "sqrt": (jnp.sqrt, torch.sqrt, mid),
-    "rsqrt": (lax.rsqrt, torch.rsqrt, mid), "pow3": (lambda h: h**3, lambda h: h**3, small),
+    "silu": (jax.nn.silu, F.silu, small),
+    "softplus": (jax.nn.softplus, F.softplus, small),
+    "erf": (jax.scipy.special.erf, torch.erf, small),
+    "sqrt": (jnp.sqrt, torch.sqrt, mid),
+    "rsqrt": (lax.rsqrt, torch.rsqrt, mid),
+    "pow3": (lambda h: h**3, lambda h: h**3, small),
     "softmax": (jax.nn.softmax, lambda h: torch.softmax(h, -1), small),
     "log_softmax": (jax.nn.log_softmax, lambda h: torch.log_softmax(h, -1), small),
     "logsumexp": (lambda h: jax.nn.logsumexp(h, -1), lambda h: torch.logsumexp(h, -1), small),
@@ -110,11 +115,15 @@ def _ops(torch: Any) -> dict[str, Op]:
     "attention": (jax_attention, torch_attention, small),
     "matmul again": (lambda h: h @ h.T, lambda h: h @ h.T, small),
     "norm at 300": (
-      lambda h: jnp.linalg.norm(h, axis=-1), lambda h: torch.linalg.norm(h, dim=-1), (256.0, 384.0)
+      lambda h: jnp.linalg.norm(h, axis=-1),
+      lambda h: torch.linalg.norm(h, dim=-1),
+      (256.0, 384.0),
     ),
     "rms_norm at 300": (jax_rms_norm, torch_rms_norm, (256.0, 384.0)),
     "var at 300": (
-      lambda h: jnp.var(h, -1), lambda h: torch.var(h, -1, unbiased=False), (256.0, 384.0)
+      lambda h: jnp.var(h, -1),
+      lambda h: torch.var(h, -1, unbiased=False),
+      (256.0, 384.0),
     ),
     "mean at 3e4": (lambda h: jnp.mean(h, -1), lambda h: torch.mean(h, -1), (16384.0, 32768.0)),
     "softmax at 3e4": (jax.nn.softmax, lambda h: torch.softmax(h, -1), (16384.0, 32768.0)),

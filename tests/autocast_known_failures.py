@@ -57,8 +57,7 @@ LOG_SOFTMAX = (
   "log_softmax's x - max(x) runs in float16 and overflows for logits 5e4 to 1e5 apart: NaN"
 )
 
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-}
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
 
 # On the lowest supported jax (0.7.1) only: XLA's own failures there, seen in the sampled run.

@@ -1,5 +1,4 @@
-"""`autocast`: the dtype of every op, forward and backward, through control flow and custom rules.
-"""
+"""`autocast`: the dtype of every op, forward and backward, through control flow and rules."""
 
 import functools
 

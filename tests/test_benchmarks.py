@@ -250,7 +250,10 @@ def test_autocast_memory_benchmark_reads_the_residuals_of_every_variant():
   for row in results.values():
     assert row["float32 MiB"] > 0
     assert set(row["gradient error"]) == {
-      "hand-cast bf16", "hand-cast f16", "autocast bf16", "autocast f16"
+      "hand-cast bf16",
+      "hand-cast f16",
+      "autocast bf16",
+      "autocast f16",
     }
     for variant, error in row["gradient error"].items():
       assert 0 < row[variant] < 1 and 0 < error < 0.5, (variant, row)

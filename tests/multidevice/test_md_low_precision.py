@@ -155,9 +155,11 @@ def test_quantized_moments_and_remainder_are_sharded_like_the_parameter(axis_typ
     "cols": jnp.linspace(-1.0, 1.0, 16 * 512).reshape(16, 512).astype(BF16),
   }
   grads = lambda i: jax.tree.map(
-    lambda p: (jnp.cos(jnp.arange(p.size, dtype=jnp.float32) * 0.1 + i) * 1e-2)
-    .reshape(p.shape)
-    .astype(BF16),
+    lambda p: (
+      (jnp.cos(jnp.arange(p.size, dtype=jnp.float32) * 0.1 + i) * 1e-2)
+      .reshape(p.shape)
+      .astype(BF16)
+    ),
     params,
   )
   place = lambda tree: jax.tree.map(

@@ -91,4 +91,3 @@ def mark_scaled(tree: Any) -> Any:
   """
   note_scaled()
   return tree
-

@@ -51,7 +51,7 @@ MIN_SAVED_SIZE = 1024
 # The reductions: their outputs are statistics.
 REDUCTIONS = frozenset({
   "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-  "reduce_xor", "argmax", "argmin", "reduce_precision_sum",
+  "reduce_xor", "argmax", "argmin",
 })  # fmt: skip
 
 # Equations whose JVP needs no primal value but integer indices: a run of only
@@ -165,7 +165,7 @@ def _plan(ctx: interp.Context, jaxpr: Any, in_kinds: tuple[Kind, ...], flat: boo
   return Plan(tuple(steps), kinds)
 
 
-def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region | Step:
+def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region:
   defined: set[Any] = set()
   invars: list[Any] = []
   seen: set[Any] = set()
@@ -189,7 +189,7 @@ def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region
     tuple(eqns),
     tuple(invars),
     outvars,
-    structure.run_key(eqns, invars, outvars),
+    structure.run_key(eqns, invars, outvars) if wrap else None,  # only wrapped runs are cached
     _common(stacks),
     wrap,
   )
@@ -243,9 +243,7 @@ def saved_in_compute_dtype(value: Any, kind: Kind, compute_dtype: np.dtype) -> b
   )
 
 
-def run(
-  ctx: interp.Context, region: Region | Step, invals: list[Any], kinds: list[Kind]
-) -> list[Any]:
+def run(ctx: interp.Context, region: Region, invals: list[Any], kinds: list[Kind]) -> list[Any]:
   """Evaluates a region: inline when it keeps nothing, else as its cached fused call."""
   if not region.wrap:
     return interp.eval_flat(ctx, region.eqns, region.invars, region.outvars, invals)

@@ -142,4 +142,3 @@ def reset_sites() -> None:
   """Forgets every site and warning (for tests that build wrappers on a shared line)."""
   _FIRST_BUILT.clear()
   _WARNED.clear()
-
