@@ -133,21 +133,10 @@ def make_variant(
   return tx, step
 
 
-def _equations(jaxpr: Any) -> Any:
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _equations(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _equations(sub)
-
-
 def matmul_flops(jaxpr: Any) -> dict[str, float]:
   """FLOPs of every `dot_general`, by the dtype of its inputs ('16-bit' when both are)."""
   flops: dict[str, float] = {}
-  for eqn in _equations(jaxpr.jaxpr):
+  for eqn in workloads.equations(jaxpr.jaxpr):
     if eqn.primitive.name != "dot_general":
       continue
     lhs, rhs = (v.aval for v in eqn.invars)

@@ -109,16 +109,9 @@ def markov_lm(seed: int, quick: bool = False) -> Problem:
     size, batch = dict(vocab=64, d_model=32, heads=2, layers=1, seq=16), 2
   model = workloads._lm_model(**size, dtype=None)
   vocab, seq = size["vocab"], size["seq"]
-  successors = np.random.default_rng(1234).integers(0, vocab, (vocab, 4))
 
   def make(i: int) -> jax.Array:
-    rng = np.random.default_rng([seed, i])
-    tokens = np.empty((batch, seq + 1), np.int32)
-    tokens[:, 0] = rng.integers(0, vocab, batch)
-    choices = rng.integers(0, 4, (batch, seq))
-    for t in range(seq):
-      tokens[:, t + 1] = successors[tokens[:, t], choices[:, t]]
-    return jnp.asarray(tokens)
+    return workloads.markov_tokens(seed, i, vocab=vocab, seq=seq, batch=batch)
 
   params = model.init(jax.random.key(seed), make(0)[:, :-1])["params"]
   loss_fn = workloads._lm_loss(model)
@@ -136,21 +129,10 @@ PROBLEMS = {"regression": regression, "digits": digits, "lm": markov_lm}
 STEPS_FACTOR = {"regression": 10, "digits": 1, "lm": 1}
 
 
-def _equations(jaxpr: Any) -> Any:
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield from _equations(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield from _equations(sub)
-
-
 def fp8_flop_share(closed: Any) -> float:
   """The share of the matrix FLOPs of a jaxpr (every `dot_general`) on fp8 operands."""
   total = fp8 = 0.0
-  for eqn in _equations(closed.jaxpr):
+  for eqn in workloads.equations(closed.jaxpr):
     if eqn.primitive.name != "dot_general":
       continue
     lhs, rhs = (v.aval for v in eqn.invars)

@@ -244,16 +244,9 @@ def transformer_lm(seed: int, steps: int, quick: bool = False) -> Problem:
   batch = size.pop("batch")
   model = workloads._lm_model(**size, dtype=BF16)
   vocab, seq = size["vocab"], size["seq"]
-  successors = np.random.default_rng(1234).integers(0, vocab, (vocab, 4))
 
   def make(i: int) -> jax.Array:
-    rng = np.random.default_rng([seed, i])
-    tokens = np.empty((batch, seq + 1), np.int32)
-    tokens[:, 0] = rng.integers(0, vocab, batch)
-    choices = rng.integers(0, 4, (batch, seq))
-    for t in range(seq):
-      tokens[:, t + 1] = successors[tokens[:, t], choices[:, t]]
-    return jnp.asarray(tokens)
+    return workloads.markov_tokens(seed, i, vocab=vocab, seq=seq, batch=batch)
 
   params = model.init(jax.random.key(seed), make(0)[:, :-1])["params"]
 

@@ -146,6 +146,34 @@ def _lm_model(
   return LM()
 
 
+def markov_tokens(seed: int, i: int, *, vocab: int, seq: int, batch: int) -> jax.Array:
+  """Batch `i` of seed `seed` of a language with 4 equally likely successors per token.
+
+  The successor table is the same for every seed (its best loss is log 4 = 1.386);
+  each batch is `(batch, seq + 1)` tokens, a sequence and its next tokens.
+  """
+  successors = np.random.default_rng(1234).integers(0, vocab, (vocab, 4))
+  rng = np.random.default_rng([seed, i])
+  tokens = np.empty((batch, seq + 1), np.int32)
+  tokens[:, 0] = rng.integers(0, vocab, batch)
+  choices = rng.integers(0, 4, (batch, seq))
+  for t in range(seq):
+    tokens[:, t + 1] = successors[tokens[:, t], choices[:, t]]
+  return jnp.asarray(tokens)
+
+
+def equations(jaxpr: Any) -> Any:
+  """Every equation of a jaxpr, those of its sub-jaxprs (jit, scan, cond, ...) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield from equations(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield from equations(sub)
+
+
 def _lm_tokens(*, vocab: int, seq: int, batch: int) -> jax.Array:
   return jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, vocab)
 
