@@ -188,6 +188,31 @@ def test_custom_jvp_rules_are_kept():
   assert set(matmul_inputs(jaxpr)) == {("float16", "float16")}
 
 
+@pytest.mark.parametrize("jitted", [False, True], ids=["inline", "jit"])
+def test_products_in_a_custom_jvp_rule_take_16_bit_cotangents(jitted):
+  # A rule holding products on its tangents (here jax.jvp of a block, the
+  # block maybe jitted): JAX transposes them in the backward pass. Bound as
+  # autocast's differentiable products, their transposes would go through
+  # the float32 forward product and take the float32 cotangent.
+  def block(w, h):
+    return jax.nn.gelu(h @ w) + h
+
+  inner = jax.jit(block) if jitted else block
+
+  @jax.custom_jvp
+  def f(w, h):
+    return block(w, h)
+
+  f.defjvp(lambda primals, tangents: jax.jvp(inner, primals, tangents))
+  loss = lambda w, x: jnp.mean(f(w, x) ** 2)
+  w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+  mixed = ols.autocast(loss, F16_POLICY)
+  backward = jax.make_jaxpr(jax.grad(mixed))(w, X)
+  assert matmul_inputs(backward) and set(matmul_inputs(backward)) == {("float16", "float16")}
+  assert mismatched(backward) == []
+  np.testing.assert_allclose(jax.grad(mixed)(w, X), jax.grad(loss)(w, X), rtol=2e-2, atol=1e-3)
+
+
 def test_custom_vjp_functions_run_as_written():
   @jax.custom_vjp
   def kernel(x):

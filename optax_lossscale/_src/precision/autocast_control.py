@@ -66,7 +66,7 @@ def jit(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`jax.jit`: inlined inside a region; else a `jit` of the interpreted body, cached."""
   closed = eqn.params["jaxpr"]
   kinds = _kinds(invals)
-  if interp.in_region():
+  if interp.in_region() or interp.any_tangent(invals):  # (a tangent is followed inline)
     return loop.eval_closed(ctx, closed, invals, kinds)
   avals = tuple(compat.typeof(v) for v in invals)
   key = (ctx, avals, tuple(kinds), fp8_product.forced())
@@ -244,7 +244,10 @@ def custom_jvp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
 
   def rule(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
     jaxpr, rule_consts, out_zeros = compat.custom_jvp_rule_jaxpr(p, len(primals))
-    outs = loop.eval_jaxpr(ctx, jaxpr, rule_consts, [*primals, *tangents], kinds[len(consts) :] * 2)
+    with interp.tangents_scope(tangents):
+      outs = loop.eval_jaxpr(
+        ctx, jaxpr, rule_consts, [*primals, *tangents], kinds[len(consts) :] * 2
+      )
     primals_out = interp.cast_all(outs[: len(out_zeros)], dtypes)
     nonzero = iter(outs[len(out_zeros) :])
     tangents_out = [

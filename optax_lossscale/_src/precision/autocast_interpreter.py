@@ -160,6 +160,39 @@ def in_region() -> bool:
   return _IN_REGION.get()
 
 
+# The values of a `custom_jvp` rule being evaluated that are linear in its
+# tangent inputs, by identity (the loop marks what it computes from them): a
+# product on one is the tangent rule's own 16-bit product, not a product
+# differentiable in its turn (which JAX would transpose through its float32
+# primal, taking the float32 cotangent).
+_TANGENTS: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
+  "autocast_tangents", default=None
+)
+
+
+@contextlib.contextmanager
+def tangents_scope(tangents: Sequence[Any]) -> Any:
+  """Evaluates a `custom_jvp` rule whose tangent inputs are `tangents`."""
+  token = _TANGENTS.set({id(t): t for t in tangents})
+  try:
+    yield
+  finally:
+    _TANGENTS.reset(token)
+
+
+def any_tangent(values: Sequence[Any]) -> bool:
+  """Whether any of `values` is linear in the tangents of the rule being evaluated."""
+  memo = _TANGENTS.get()
+  return memo is not None and any(memo.get(id(v)) is v for v in values)
+
+
+def mark_tangents(invals: Sequence[Any], outs: Sequence[Any]) -> None:
+  """Marks `outs` as tangents when computed from one (within a rule; else nothing)."""
+  memo = _TANGENTS.get()
+  if memo is not None and any(memo.get(id(v)) is v for v in invals):
+    memo.update((id(o), o) for o in outs)
+
+
 @contextlib.contextmanager
 def scope() -> Any:
   """One top-level evaluation: the memo of value kinds."""

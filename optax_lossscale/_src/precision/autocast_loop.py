@@ -62,6 +62,7 @@ def eval_jaxpr(
           raise interp.unknown_primitive(eqn.primitive.name)
         with compat.eqn_context(eqn):
           outs = rule(ctx, eqn, invals)
+      interp.mark_tangents(invals, outs)
       for v, out in zip(step.outvars, outs, strict=True):
         env[v] = out  # dropped outputs too, as JAX does
         interp.remember_kind(out, plan.kinds.get(v, Kind.ACT))

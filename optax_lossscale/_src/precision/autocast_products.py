@@ -63,7 +63,8 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   operands instead (`fp8_product`).
   """
   c = ctx.compute_dtype
-  if ctx.fp8 is not None and eqn.primitive.name == "dot_general":
+  tangent = interp.any_tangent(invals)
+  if ctx.fp8 is not None and eqn.primitive.name == "dot_general" and not tangent:
     dims = eqn.params["dimension_numbers"]
     if fp8_product.eligible(*invals, dims, recipe=ctx.fp8):
       out = fp8_product.fp8_dot_general(
@@ -84,6 +85,9 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   result = out_dtype(eqn)
   if c.itemsize >= 4:
     return [eqn.primitive.bind(*ops, **{**params, "preferred_element_type": result})]
+  if tangent:  # a custom_jvp rule's tangent: linear, a 16-bit product as `_product`'s own
+    out = eqn.primitive.bind(*ops, **{**params, "preferred_element_type": c})
+    return [interp.cast(out, result)]
   try:
     key = tuple(sorted(params.items()))
     hash(key)
