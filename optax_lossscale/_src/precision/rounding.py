@@ -167,10 +167,10 @@ def hash_bits(seed: Any, shape: tuple[int, ...], sharding: Any = None) -> jax.Ar
   """One uint32 per element of `shape`, a hash of its index and the two words of `seed`.
 
   `mix(mix(i ^ seed[0]) ^ seed[1])` for the element's row-major index `i`
-  (each word a uint32 scalar, or an array of `shape`: a value's own bits)
-  (modulo 2**32), `mix` a bijection: for one index, a uniformly random seed
-  gives uniformly random bits, so rounding with them is exactly unbiased
-  over seeds, as with any generator. Across indices and seeds the bits are
+  (modulo 2**32) and the two uint32 scalars of `seed`, `mix` a bijection:
+  for one index, a uniformly random seed gives uniformly random bits, so
+  rounding with them is exactly unbiased over seeds, as with any generator.
+  Across indices and seeds the bits are
   as independent as the hash makes them, which statistical checks cannot
   tell from random at the sizes tested (tests/test_stochastic_rounding.py),
   but it is not a generator with proven properties: elements 2**32 apart in
