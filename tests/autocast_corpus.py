@@ -52,9 +52,15 @@ class Entry:
     products: "compute" when every real floating matrix product of the function
       must take compute-dtype inputs under `autocast`; "any" when the function
       fixes a product's types itself (an explicit `preferred_element_type`).
+    grad_products: the same for the products of its gradient (default:
+      `products`); "any" where JAX's own derivative rules of a float32 kernel
+      (cholesky, eigh, qr, svd, triangular_solve, a linear solve) emit float32
+      products of their own.
     full_only: takes over a second to compile (the gamma samplers' rejection
       loops): checked in full runs only; a lighter sibling stands in the
       suite's sampled run.
+    backends: the backends that run the function at all (None: every one),
+      e.g. XLA lowers `schur` on the CPU only; elsewhere its cases skip.
   """
 
   name: str
@@ -66,6 +72,8 @@ class Entry:
   grad_tol: float | None = None
   products: str = "compute"
   full_only: bool = False
+  backends: tuple[str, ...] | None = None
+  grad_products: str | None = None
 
   @property
   def family(self) -> str:
@@ -1261,6 +1269,27 @@ add("extreme.avg_pool[512]", lambda x, w: lax.reduce_window((x @ w).reshape(1, 1
     (1, 512), (1, 256), "VALID") / 512, act(0.5, 1.5, (256, 4)), tol=4,
     grad=False)  # fmt: skip  (XLA constant-folds its transpose for seconds)
 
+# What XLA lowers on the CPU only: `schur` and `hessenberg` (no GPU kernels; `sqrtm` is a
+# Schur decomposition), integer convolutions (cuDNN has none).
+_CPU_ONLY = ("scipy_linalg.hessenberg", "scipy_linalg.schur", "scipy_linalg.sqrtm",
+             "lax_linalg.schur", "lax_linalg.hessenberg", "lax.conv_int")  # fmt: skip
+# Whose gradients go through the derivative rules of float32 kernels (every case, full run).
+_KERNEL_GRADS = (
+  "control.custom_linear_solve", "lax_linalg.cholesky", "lax_linalg.eigh", "lax_linalg.qr",
+  "lax_linalg.svd", "lax_linalg.triangular_solve", "linalg.cholesky", "linalg.eigh",
+  "linalg.eigvalsh", "linalg.inv", "linalg.lstsq", "linalg.norm[-2]", "linalg.norm[2]",
+  "linalg.norm[nuc]", "linalg.qr", "linalg.solve", "linalg.svd", "linalg.svdvals",
+  "linalg.tensorinv", "linalg.tensorsolve", "scipy_linalg.cho_solve", "scipy_linalg.expm",
+  "scipy_linalg.inv", "scipy_linalg.lu_solve", "scipy_linalg.solve[assume_a=pos]",
+  "scipy_linalg.solve_triangular",
+)  # fmt: skip
+for _i, _entry in enumerate(ENTRIES):
+  if _entry.name in _CPU_ONLY:
+    _entry = ENTRIES[_i] = dataclasses.replace(_entry, backends=("cpu",))
+  if _entry.name in _KERNEL_GRADS:
+    ENTRIES[_i] = dataclasses.replace(_entry, grad_products="any")
+
 NAMES = [e.name for e in ENTRIES]
 assert len(NAMES) == len(set(NAMES)), sorted(n for n in NAMES if NAMES.count(n) > 1)
 BY_NAME = {e.name: e for e in ENTRIES}
+assert set(_CPU_ONLY + _KERNEL_GRADS) <= set(BY_NAME), set(_CPU_ONLY + _KERNEL_GRADS) - set(BY_NAME)

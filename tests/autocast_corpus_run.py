@@ -89,7 +89,17 @@ def selected_cases(dtype: str) -> list[tuple[str, str, str]]:
     if c[1] == dtype
     and (FULL or (not BY_NAME[c[0]].full_only and sampled(c[0]) == c[1:]))
     and not crashes(*c)
+    and not unsupported(c[0])
   ]
+
+
+def unsupported(name: str) -> str | None:
+  """Why this backend cannot run the entry at all (XLA has no lowering for it here), or None."""
+  backends = BY_NAME[name].backends
+  if backends is None or jax.default_backend() in backends:
+    return None
+  return f"XLA lowers it on {', '.join(backends)} only, not on {jax.default_backend()}"
+
 
 
 def seed(name: str) -> int:
@@ -207,14 +217,19 @@ def run_group(names: Sequence[str], mode: str, dtype: str | None) -> dict[str, O
 def params(dtype: str) -> list[Any]:
   """The selected cases of `dtype` as pytest parameters, known failures marked xfail."""
   out = []
-  crashing = [
-    c for c in cases() if c[1] == dtype and crashes(*c) and (FULL or sampled(c[0]) == c[1:])
+  skipped = [
+    c
+    for c in cases()
+    if c[1] == dtype
+    and (crashes(*c) or unsupported(c[0]))
+    and (FULL or (not BY_NAME[c[0]].full_only and sampled(c[0]) == c[1:]))
   ]
-  for name, d, mode in selected_cases(dtype) + crashing:
+  for name, d, mode in selected_cases(dtype) + skipped:
     reason = known_failure(name, d, mode)
     marks = [pytest.mark.xfail(strict=strict(), reason=reason)] if reason else []
-    if crashes(name, d, mode):
-      marks = [pytest.mark.skip(reason=crashes(name, d, mode))]
+    why = crashes(name, d, mode) or unsupported(name)
+    if why:
+      marks = [pytest.mark.skip(reason=why)]
     out.append(pytest.param(name, d, mode, id=f"{name}-{mode}", marks=marks))
   return out
 
@@ -311,12 +326,14 @@ def products(jaxpr: Any) -> list[tuple[str, tuple[str, ...]]]:
   return out
 
 
-def check_products(entry: Entry, dtype: str, jaxpr: Any) -> None:
+def check_products(entry: Entry, dtype: str, jaxpr: Any, grad: bool = False) -> None:
   """Every real floating product takes compute-dtype inputs (unless the entry fixes its own).
 
   Complex and integer products are not cast; nor are fp8 ones (an fp8 layer's own).
+  `grad`: the jaxpr of the gradient, checked as `entry.grad_products` says.
   """
-  if entry.products != "compute":
+  required = (entry.grad_products or entry.products) if grad else entry.products
+  if required != "compute":
     return
   want = str(np.dtype(COMPUTE[dtype]))
   wrong = [
@@ -338,5 +355,5 @@ def check_case(name: str, dtype: str, mode: str) -> None:
   if got.error is not None:
     raise got.error
   check_values(entry, mode, dtype, got.out, want.out)
-  if mode in ("jit", "vmap", "autocast_vmap"):
-    check_products(entry, dtype, got.jaxpr)
+  if mode != "eager":  # (eager runs the jit case's function)
+    check_products(entry, dtype, got.jaxpr, grad=mode == "grad")

@@ -232,7 +232,10 @@ def test_jit_grad_vmap_jvp_and_hessian():
   params = mlp_params()
   want = mlp(params, X)
   np.testing.assert_allclose(jax.jit(mixed)(params, X), want, rtol=3e-2)
-  np.testing.assert_allclose(mixed(params, X), jax.jit(mixed)(params, X), rtol=1e-6)
+  # One program and eager ops: the same bits on the CPU; elsewhere a bfloat16
+  # intermediate may stay float32 in the fused program (excess precision).
+  same = 1e-6 if jax.default_backend() == "cpu" else 2**-7
+  np.testing.assert_allclose(mixed(params, X), jax.jit(mixed)(params, X), rtol=same)
   batched = jax.vmap(mixed, in_axes=(None, 0))(params, jnp.stack([X, 2 * X]))
   np.testing.assert_allclose(batched, [want, mlp(params, 2 * X)], rtol=3e-2)
   tangent = jax.tree.map(jnp.ones_like, params)
