@@ -17,7 +17,10 @@ import sys
 import tomllib
 
 PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
-_LOWER_BOUND = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9.]*)")
+# `name>=version`, optionally with an upper bound: `name>=version,<version`.
+_LOWER_BOUND = re.compile(
+  r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*>=\s*([0-9][0-9.]*)(?:\s*,\s*<\s*[0-9][0-9.]*)?"
+)
 
 
 def lower_bounds(extras: list[str]) -> dict[str, str]:
@@ -30,7 +33,7 @@ def lower_bounds(extras: list[str]) -> dict[str, str]:
   for requirement in project["dependencies"] + [r for e in extras for r in optional[e]]:
     match = _LOWER_BOUND.fullmatch(requirement.strip())
     if match is None:
-      raise SystemExit(f"{requirement!r} is not of the form 'name>=version'")
+      raise SystemExit(f"{requirement!r} is not of the form 'name>=version[,<version]'")
     bounds[match[1]] = match[2]
   return bounds
 

@@ -56,9 +56,10 @@ def test_version_table_states_the_tested_versions():
   rows = re.findall(r"^\| ([^|]+?) \| ([\d.]+) \| ([\d.]+) \|$", section, re.MULTILINE)
   project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
   requirements = project["dependencies"] + project["optional-dependencies"]["flax"]
-  lowest = dict(r.split(">=") for r in requirements)
+  lower = lambda r: r.split(",")[0].split(">=")  # name>=version[,<upper]
+  lowest = dict(lower(r) for r in requirements)
   extras = [r for e in project["optional-dependencies"].values() for r in e if ">=" in r]
-  declared = {**dict(r.split(">=") for r in extras), **lowest}
+  declared = {**dict(lower(r) for r in extras), **lowest}
   newest, lowest_pins = (
     {
       name: version
