@@ -21,7 +21,7 @@ def child_xla_flags(device_count: int | None = None) -> str:
   return " ".join(flags)
 
 
-def assert_trees_equal_across_programs(a: object, b: object) -> None:
+def assert_trees_equal_across_programs(a: object, b: object, narrowest: object = None) -> None:
   """Bit for bit on CPU; elsewhere within a few units in the last place.
 
   For two programs that compute the same arithmetic: a step and its
@@ -31,8 +31,9 @@ def assert_trees_equal_across_programs(a: object, b: object) -> None:
   other, a last-bit difference that a 16-bit rounding can carry into a
   parameter's last place, or keep a 16-bit intermediate at float32 precision
   in one program (excess precision) and round it in the other: elsewhere than
-  on the CPU the tolerance is a few units of the narrowest floating dtype
-  among `a`'s leaves. Dtypes and integer leaves (counts, keys) are exact.
+  on the CPU the tolerance is a few units of `narrowest`, the narrowest
+  floating dtype the programs compute in (default: the narrowest among `a`'s
+  leaves). Dtypes and integer leaves (counts, keys) are exact.
   """
   import chex
   import jax
@@ -43,6 +44,7 @@ def assert_trees_equal_across_programs(a: object, b: object) -> None:
     chex.assert_trees_all_equal(a, b)
     return
   floats = [x.dtype for x in jax.tree.leaves(a) if jax.numpy.issubdtype(x.dtype, np.floating)]
+  floats += [] if narrowest is None else [narrowest]
   ulps = 4 * max((float(jax.numpy.finfo(d).eps) for d in floats), default=0.0)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     if not jax.numpy.issubdtype(x.dtype, jax.numpy.floating):

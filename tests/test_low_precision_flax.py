@@ -127,11 +127,13 @@ def test_train_state_with_loss_scaled_master_weights_is_the_master_loop_bit_for_
   reference = reference_run(optax.adam(1e-3), BATCHES, scale=SCALE)
   states = _run(_make_state("wrapped"), BATCHES)
   for i, (state, (params, master, inner_state)) in enumerate(zip(states, reference, strict=True)):
-    # Two programs: bit for bit on CPU (see assert_trees_equal_across_programs).
-    assert_trees_equal_across_programs(state.params, params)
+    # Two programs: bit for bit on CPU (see assert_trees_equal_across_programs),
+    # elsewhere within units of the bfloat16 parameters the float32 state follows.
+    assert_trees_equal_across_programs(state.params, params, narrowest=BF16)
     chex.assert_trees_all_equal_dtypes(state.params, params)
-    assert_trees_equal_across_programs(state.opt_state.inner_state.master, master)
-    assert_trees_equal_across_programs(state.opt_state.inner_state.inner_state, inner_state)
+    assert_trees_equal_across_programs(state.opt_state.inner_state.master, master, narrowest=BF16)
+    inner = state.opt_state.inner_state.inner_state
+    assert_trees_equal_across_programs(inner, inner_state, narrowest=BF16)
     assert bool(state.opt_state.last_step_applied) == (i not in FAULTS)
     assert int(state.step) == sum(j not in FAULTS for j in range(i + 1))
   assert not bool(
