@@ -101,7 +101,6 @@ def unsupported(name: str) -> str | None:
   return f"XLA lowers it on {', '.join(backends)} only, not on {jax.default_backend()}"
 
 
-
 def seed(name: str) -> int:
   return zlib.crc32(name.encode())
 
