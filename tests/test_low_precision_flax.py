@@ -240,7 +240,9 @@ def test_nnx_optimizer_writes_the_master_rounded_through_update_and_apply_update
     )
     master = optax.apply_updates(master, updates)
     params = jax.tree.map(lambda m: m.astype(BF16), master)
-    chex.assert_trees_all_equal(_pure(model), params)
+    # A jitted step and eager ops: bit for bit on CPU (a GPU differed by one
+    # bfloat16 ulp in 2 of 16 biases: see assert_trees_equal_across_programs).
+    assert_trees_equal_across_programs(_pure(model), params)
   assert not bool(jnp.all(_pure(model)["hidden"]["kernel"] == start["hidden"]["kernel"]))
 
 
