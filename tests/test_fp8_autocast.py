@@ -345,9 +345,10 @@ def test_the_backward_products_are_jaxs_transposes_of_the_dequantized_product(
   lhs_shape, rhs_shape, dims
 ):
   def dequantized(x, fmt):
-    # Eagerly, in NumPy: inside one jitted program XLA:GPU may drop the
-    # float32 -> fp8 -> float32 round trip of a reference (excess precision).
-    q, inverse = fp8_product.quantize(x, fmt, "tensorwise", ())
+    # The fp8 values from a program of their own, widened in NumPy: inside one
+    # program XLA:GPU may drop a float32 -> fp8 -> float32 round trip (excess
+    # precision), and eager ops round some ties otherwise on jax < 0.8.
+    q, inverse = jax.jit(fp8_product.quantize, static_argnums=(1, 2, 3))(x, fmt, "tensorwise", ())
     return jnp.asarray(np.asarray(q).astype(np.float32) * np.asarray(inverse))
 
   @jax.jit
