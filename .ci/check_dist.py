@@ -11,6 +11,7 @@ from __future__ import annotations
 import email.parser
 import importlib.util
 import pathlib
+import re
 import sys
 import tarfile
 import zipfile
@@ -36,7 +37,8 @@ def check_files(dist: pathlib.Path) -> list[str]:
   missing = set(CLASSIFIERS) - set(metadata.get_all("Classifier") or [])
   errors += [f"{wheel.name} lacks the classifier {c!r}" for c in sorted(missing)]
   requires = metadata.get_all("Requires-Dist") or []
-  runtime = sorted(r.split(">")[0] for r in requires if "extra ==" not in r)
+  # The name of each requirement ("jax<0.11,>=0.7.1", "optax>=0.2.4").
+  runtime = sorted(re.match(r"[A-Za-z0-9._-]+", r)[0] for r in requires if "extra ==" not in r)
   if runtime != ["jax", "jaxlib", "optax"]:
     errors.append(f"runtime dependencies are {runtime}, expected jax, jaxlib and optax")
   with tarfile.open(sdist) as t:
