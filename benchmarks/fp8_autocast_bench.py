@@ -60,7 +60,7 @@ import optax
 from benchmarks import low_precision_params as lpp
 from benchmarks import workloads
 import optax_lossscale as ols
-from optax_lossscale._src.precision import fp8_product
+from optax_lossscale._src.autocast import fp8 as fp8_product
 
 BF16 = "p=f32,c=bf16,o=f32"
 VARIANTS = ("float32", "bfloat16", "fp8 tensorwise", "fp8 rowwise")

@@ -65,7 +65,7 @@ import optax
 
 from benchmarks import workloads
 import optax_lossscale as ols
-from optax_lossscale._src.precision import rounding
+from optax_lossscale._src.storage import rounding
 
 BF16 = jnp.bfloat16
 BASELINE = "bfloat16"

@@ -1,5 +1,7 @@
 """optax_lossscale: mixed-precision loss scaling for JAX, the optax way."""
 
+from optax_lossscale._src.autocast.api import autocast
+from optax_lossscale._src.autocast.interpreter import UnknownPrimitiveError
 from optax_lossscale._src.diagnostics.gradient_report import (
   GradientReport,
   LeafStats,
@@ -13,10 +15,16 @@ from optax_lossscale._src.loss_scales.loss_scale import FixedLossScale, LossScal
 from optax_lossscale._src.loss_scales.scaling_record import UnscaledGradientsWarning, mark_scaled
 from optax_lossscale._src.loss_scales.serialization import deserialize, get, serialize
 from optax_lossscale._src.loss_scales.skipping_fixed_loss_scale import SkippingFixedLossScale
-from optax_lossscale._src.precision.autocast import autocast
-from optax_lossscale._src.precision.autocast_interpreter import UnknownPrimitiveError
-from optax_lossscale._src.precision.master_weights import MasterWeightsState, master_weights
-from optax_lossscale._src.precision.policy import (
+from optax_lossscale._src.step.apply_gradients import apply_gradients
+from optax_lossscale._src.storage.master_weights import MasterWeightsState, master_weights
+from optax_lossscale._src.storage.quantize import QuantizedArray
+from optax_lossscale._src.storage.rounding import stochastic_round
+from optax_lossscale._src.storage.state_dtypes import state_dtypes
+from optax_lossscale._src.storage.stochastic_rounding import (
+  StochasticRoundingState,
+  stochastic_rounding,
+)
+from optax_lossscale._src.utils.policy import (
   Policy,
   cast_to_full,
   cast_to_half,
@@ -24,14 +32,6 @@ from optax_lossscale._src.precision.policy import (
   get_policy,
   half_dtype,
 )
-from optax_lossscale._src.precision.quantize import QuantizedArray
-from optax_lossscale._src.precision.rounding import stochastic_round
-from optax_lossscale._src.precision.state_dtypes import state_dtypes
-from optax_lossscale._src.precision.stochastic_rounding import (
-  StochasticRoundingState,
-  stochastic_rounding,
-)
-from optax_lossscale._src.step.apply_gradients import apply_gradients
 from optax_lossscale._src.utils.tree_utils import all_finite, select_tree
 from optax_lossscale._src.wrappers.grad import value_and_grad
 from optax_lossscale._src.wrappers.optimizer import (

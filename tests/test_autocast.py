@@ -475,7 +475,7 @@ def test_the_guide_lists_the_rules_of_the_table():
   import pathlib
   import re
 
-  from optax_lossscale._src.precision import autocast_rules
+  from optax_lossscale._src.autocast import rules as autocast_rules
 
   page = pathlib.Path(__file__).resolve().parents[1] / "docs/guides/mixed_precision.md"
   rows: dict[str, set[str]] = {}

@@ -30,7 +30,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale._src.precision import autocast_regions
+from optax_lossscale._src.autocast import regions as autocast_regions
 from optax_lossscale._src.utils import compat
 from tests.autocast_helpers import matmul_inputs
 

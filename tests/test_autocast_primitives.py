@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale._src.precision import autocast_rules
+from optax_lossscale._src.autocast import rules as autocast_rules
 from tests import child_xla_flags
 
 # Modules that hold only the primitives of a kernel's body.

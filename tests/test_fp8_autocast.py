@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale._src.precision import fp8_product
+from optax_lossscale._src.autocast import fp8 as fp8_product
 from tests.autocast_helpers import equations
 
 # jax 0.7.1's XLA (the lowest supported) rounds some scaled values differently

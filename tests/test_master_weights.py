@@ -502,7 +502,7 @@ def test_update_path_is_exact_unless_a_parameter_shrinks_past_the_documented_rat
   # back, lands on `new` whenever |old| <= ratio * |new| (and whenever |new| > |old|),
   # but for the sign of a zero. Past the ratio it can miss (shown below). (bfloat16
   # values near float32's subnormals are left out: XLA:CPU flushes those to zero.)
-  from optax_lossscale._src.precision import param_write
+  from optax_lossscale._src.storage import param_write
 
   rng = np.random.default_rng(0)
   n = 200_000
@@ -541,8 +541,8 @@ class RemainderTest(parameterized.TestCase):
   """store='remainder': the float32 master as the bfloat16 parameter and 16 more bits."""
 
   def test_split_then_join_gives_the_master_back_over_bit_patterns(self):
-    from optax_lossscale._src.precision.rounding import join_bfloat16 as join
-    from optax_lossscale._src.precision.rounding import split_bfloat16 as split
+    from optax_lossscale._src.storage.rounding import join_bfloat16 as join
+    from optax_lossscale._src.storage.rounding import split_bfloat16 as split
 
     chosen = np.array([0, 1, 2, 0x7FFF, 0x8000, 0x8001, 0xFFFE, 0xFFFF], np.uint32)
     every = np.arange(2**16, dtype=np.uint32)
@@ -606,7 +606,7 @@ class RemainderTest(parameterized.TestCase):
       p_split, s_split = step_split(grads, s_split, p_split)
       assert_bits_equal(p_split, p_full)
       assert_bits_equal(s_split.inner_state, s_full.inner_state)
-    from optax_lossscale._src.precision.rounding import join_bfloat16 as join
+    from optax_lossscale._src.storage.rounding import join_bfloat16 as join
 
     for name in ("w", "b"):
       np.testing.assert_array_equal(join(p_split[name], s_split.master[name]), s_full.master[name])

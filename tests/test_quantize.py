@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 import optax_lossscale as ols
-from optax_lossscale._src.precision import quantize
+from optax_lossscale._src.storage import quantize
 
 BF16 = jnp.bfloat16
 RNG = np.random.default_rng(0)

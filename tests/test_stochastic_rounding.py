@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale._src.precision import rounding
+from optax_lossscale._src.storage import rounding
 from tests import assert_trees_equal_across_programs
 from tests.autocast_helpers import equations
 

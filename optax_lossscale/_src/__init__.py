@@ -3,7 +3,7 @@
 Grouped by concern, each importing only those before it in this order
 (`tests/test_layout.py` checks it, and `docs/architecture.md` draws it):
 
-  utils < loss_scales < diagnostics < step < wrappers < precision < integrations
+  utils < loss_scales < diagnostics < step < wrappers < storage < autocast < integrations
 
 Until 0.1.0 the modules lay side by side in this package. Pickles name a
 class by its module, so the old flat names (`optax_lossscale._src.optimizer`,
@@ -25,7 +25,8 @@ LAYERS = (
   "diagnostics",
   "step",
   "wrappers",
-  "precision",
+  "storage",
+  "autocast",
   "integrations",
 )
 

@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale._src.loss_scales import loss_scale as loss_scale_lib
-from optax_lossscale._src.precision.master_weights import MasterWeightsState
-from optax_lossscale._src.precision.stochastic_rounding import StochasticRoundingState
 from optax_lossscale._src.step import composition, conditional_step
+from optax_lossscale._src.storage.master_weights import MasterWeightsState
+from optax_lossscale._src.storage.stochastic_rounding import StochasticRoundingState
 from optax_lossscale._src.wrappers import state_access, state_conversion
 
 # Flax's fp8 marker (flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT): those

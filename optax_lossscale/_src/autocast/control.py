@@ -1,7 +1,7 @@
 """`autocast` rules for the primitives that hold jaxprs: jit, remat, cond, loops, custom rules.
 
 One idea serves them all: a sub-jaxpr becomes a Python function that runs the
-interpreter loop on it (`autocast_loop`), and the public JAX function that made the
+interpreter loop on it (`loop`), and the public JAX function that made the
 primitive (`jax.checkpoint`, `lax.switch`, `lax.scan`, `lax.while_loop`,
 `jax.custom_jvp`, `jax.shard_map`) is called again with it, so JAX re-derives
 the types. What the interpreter changes is a sub-jaxpr's dtypes, and some
@@ -36,10 +36,9 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._src.precision import autocast_interpreter as interp
-from optax_lossscale._src.precision import autocast_loop as loop
-from optax_lossscale._src.precision import autocast_regions as regions
-from optax_lossscale._src.precision import fp8_product
+from optax_lossscale._src.autocast import fp8 as fp8_lib
+from optax_lossscale._src.autocast import interpreter as interp
+from optax_lossscale._src.autocast import loop, regions
 from optax_lossscale._src.utils import compat
 
 Kind = interp.Kind
@@ -69,7 +68,7 @@ def jit(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   if interp.in_region() or interp.any_tangent(invals):  # (a tangent is followed inline)
     return loop.eval_closed(ctx, closed, invals, kinds)
   avals = tuple(compat.typeof(v) for v in invals)
-  key = (ctx, avals, tuple(kinds), fp8_product.forced())
+  key = (ctx, avals, tuple(kinds), fp8_lib.forced())
   with _jit_lock:
     found = _jit_cache.setdefault(closed, {}).get(key)
   if found is None:

@@ -9,7 +9,7 @@ without), so a new release's primitive is caught by CI, not by a user.
   float32 whatever it stores, and so does autocast (torch.amp's float32
   list, `exp`, `log`, `pow`, the sums and norms, the losses, is a subset;
   docs/guides/mixed_precision.md lists the differences). Their results are
-  float32; what the backward pass keeps of them is 16-bit (`autocast_regions`).
+  float32; what the backward pass keeps of them is 16-bit (`regions`).
 - widest: the exact ops (data movement, comparisons, max and min, select,
   random bits): a 16-bit value moves in 16 bits.
 - kernels: linear algebra and the FFT, float32 (no 16-bit kernels anywhere),
@@ -31,9 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from optax_lossscale._src.precision import autocast_control as control
-from optax_lossscale._src.precision import autocast_interpreter as interp
-from optax_lossscale._src.precision import autocast_products as products
+from optax_lossscale._src.autocast import control, products
+from optax_lossscale._src.autocast import interpreter as interp
 
 # Matrix products and convolutions: compute-dtype operands, float32 accumulation.
 COMPUTE = ("dot_general", "conv_general_dilated", "ragged_dot_general")

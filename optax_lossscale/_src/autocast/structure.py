@@ -1,7 +1,7 @@
 """Structural keys of jaxpr fragments: equal when two fragments compute the same thing.
 
 `autocast` interprets, differentiates and compiles a region once per
-structure (`autocast_regions`): a 24-block model holds 24 copies of each of
+structure (`regions`): a 24-block model holds 24 copies of each of
 its regions, and a re-trace of the same function new copies of all of them,
 equal but not identical. The key of a run of equations names, per equation,
 its primitive, its parameters, which earlier values (or literals) it reads

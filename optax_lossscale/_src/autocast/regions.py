@@ -37,8 +37,8 @@ from jax import lax
 import jax.extend as jex
 import numpy as np
 
-from optax_lossscale._src.precision import autocast_interpreter as interp
-from optax_lossscale._src.precision import autocast_structure as structure
+from optax_lossscale._src.autocast import interpreter as interp
+from optax_lossscale._src.autocast import structure
 from optax_lossscale._src.utils import compat
 
 Kind = interp.Kind

@@ -17,7 +17,7 @@ such as Adam's `mu` and `nu`, a dict key such as a `named_chain`'s), by a
 predicate, or all floating leaves at once. The state keeps the inner
 optimizer's structure: only the dtypes of the chosen leaves change, or, for
 a quantized format ('q8', 'fp8': one byte per element and a float32 scale
-per block of 256, `precision/quantize.py`), a leaf becomes a
+per block of 256, `storage/quantize.py`), a leaf becomes a
 `QuantizedArray` of codes and scales, dequantized to float32 for the update
 and quantized again after it.
 """
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lossscale._src.precision import quantize
+from optax_lossscale._src.storage import quantize
 from optax_lossscale._src.utils import dtypes as dtypes_lib
 
 _ACCEPTED = (

@@ -30,8 +30,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._src.precision import autocast_interpreter as interp
-from optax_lossscale._src.precision import fp8_product
+from optax_lossscale._src.autocast import fp8 as fp8_lib
+from optax_lossscale._src.autocast import interpreter as interp
 
 
 def out_dtype(eqn: Any) -> np.dtype:
@@ -60,14 +60,14 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`dot_general`, `conv_general_dilated`, `ragged_dot_general` on compute-dtype operands.
 
   With `autocast(..., fp8=recipe)`, an eligible `dot_general` runs on fp8
-  operands instead (`fp8_product`).
+  operands instead (`fp8`).
   """
   c = ctx.compute_dtype
   tangent = interp.any_tangent(invals)
   if ctx.fp8 is not None and eqn.primitive.name == "dot_general" and not tangent:
     dims = eqn.params["dimension_numbers"]
-    if fp8_product.eligible(*invals, dims, recipe=ctx.fp8):
-      out = fp8_product.fp8_dot_general(
+    if fp8_lib.eligible(*invals, dims, recipe=ctx.fp8):
+      out = fp8_lib.fp8_dot_general(
         *invals, dimension_numbers=dims, recipe=ctx.fp8, compute_dtype=c, out_dtype=out_dtype(eqn)
       )
       return [out]

@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._src.precision import rounding
+from optax_lossscale._src.storage import rounding
 
 BLOCK = 256
 FORMATS = ("q8", "fp8")

@@ -1,8 +1,8 @@
 """The interpreter loop of `autocast`: `jax.core.eval_jaxpr` with a rule per equation.
 
 Consecutive float32 and widest equations run as one region
-(`autocast_regions`); every other equation by its rule (`autocast_rules`).
-The primitives that hold jaxprs (`autocast_control`) call back into this loop
+(`regions`); every other equation by its rule (`rules`).
+The primitives that hold jaxprs (`control`) call back into this loop
 for their bodies.
 """
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import jax.extend as jex
 
-from optax_lossscale._src.precision import autocast_interpreter as interp
-from optax_lossscale._src.precision import autocast_regions as regions
+from optax_lossscale._src.autocast import interpreter as interp
+from optax_lossscale._src.autocast import regions
 from optax_lossscale._src.utils import compat
 
 Kind = interp.Kind
@@ -30,7 +30,7 @@ def eval_jaxpr(
   """The interpreter loop: `jax.core.eval_jaxpr` with a rule per equation.
 
   Consecutive float32 and widest equations run as one region (see
-  `autocast_regions`); every other equation by its rule. `kinds` says which
+  `regions`); every other equation by its rule. `kinds` says which
   arguments are activations (default: none, they are the caller's arrays).
   """
   if kinds is None:

@@ -7,7 +7,7 @@ equation's floating inputs, then binds the primitive with its parameters as
 written:
 
   compute      matrix products and convolutions: operands in the compute
-               dtype, float32 accumulation and result (`autocast_products`)
+               dtype, float32 accumulation and result (`products`)
   float32      arithmetic: inputs promoted to at least float32
   widest       exact ops (moves, comparisons, max, select): inputs promoted to
                their widest floating dtype, so 16-bit values stay 16-bit
@@ -15,11 +15,11 @@ written:
                custom_vjp kernels): inputs cast back to the declared dtypes
   independent  ops whose operands do not meet (collectives, sort): as they are
 
-The loop (`autocast_loop`) groups consecutive float32 and widest equations
-into regions (`autocast_regions`): the backward pass keeps only their 16-bit
+The loop (`loop`) groups consecutive float32 and widest equations
+into regions (`regions`): the backward pass keeps only their 16-bit
 inputs, as a fused kernel does. Primitives that hold jaxprs (jit, scan, cond, ...) have
-rules of their own in `autocast_control`; the table that names every known
-primitive is in `autocast_rules`. Integer, boolean and key values are never
+rules of their own in `control`; the table that names every known
+primitive is in `rules`. Integer, boolean and key values are never
 cast, and complex values never become real.
 """
 
@@ -387,5 +387,5 @@ def independent(ctx: Context, eqn: Any, invals: list[Any]) -> list[Any]:
   return bind(eqn, invals)
 
 
-# The kinds a user may name in `autocast(..., rules=)` ('compute' is `autocast_products`').
+# The kinds a user may name in `autocast(..., rules=)` ('compute' is `products`').
 KIND_NAMES = ("as_written", "compute", "float32", "independent", "widest")

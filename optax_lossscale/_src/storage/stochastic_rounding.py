@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lossscale._src.precision import master_weights as master_lib
-from optax_lossscale._src.precision import param_write, quantize, rounding
 from optax_lossscale._src.step import composition, skip_branch
+from optax_lossscale._src.storage import master_weights as master_lib
+from optax_lossscale._src.storage import param_write, quantize, rounding
 from optax_lossscale._src.utils import params_check
 
 

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lossscale._src.precision import param_write, rounding
 from optax_lossscale._src.step import composition, conditional_step
+from optax_lossscale._src.storage import param_write, rounding
 from optax_lossscale._src.utils import dtypes, params_check
 
 

@@ -25,10 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_lossscale._src.precision import autocast_interpreter as interp
-from optax_lossscale._src.precision import autocast_loop as loop
-from optax_lossscale._src.precision import autocast_rules, fp8_product
-from optax_lossscale._src.precision import policy as policy_lib
+from optax_lossscale._src.autocast import fp8 as fp8_lib
+from optax_lossscale._src.autocast import interpreter as interp
+from optax_lossscale._src.autocast import loop
+from optax_lossscale._src.autocast import rules as rules_lib
+from optax_lossscale._src.utils import policy as policy_lib
 
 
 def _check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
@@ -39,9 +40,9 @@ def _check_rules(rules: Mapping[str, str] | None) -> dict[str, str]:
       f"rules must be a mapping of primitive names to kinds; got {type(rules).__name__}."
     )
   for name, kind in rules.items():
-    if not isinstance(name, str) or kind not in autocast_rules.KINDS:
+    if not isinstance(name, str) or kind not in rules_lib.KINDS:
       raise ValueError(
-        f"rules maps primitive names (str) to one of {sorted(autocast_rules.KINDS)}; got"
+        f"rules maps primitive names (str) to one of {sorted(rules_lib.KINDS)}; got"
         f" {name!r}: {kind!r}."
       )
   return dict(rules)
@@ -68,10 +69,10 @@ def make_context(
 ) -> interp.Context:
   """The interpreter's context for a compute dtype, the user's extra rules and an fp8 recipe."""
   extra = _check_rules(rules)
-  table = {**autocast_rules.RULES, **{n: autocast_rules.KINDS[k] for n, k in extra.items()}}
+  table = {**rules_lib.RULES, **{n: rules_lib.KINDS[k] for n, k in extra.items()}}
   # A primitive given a rule by the user is a region boundary: it may have no
   # JVP or lowering rule (a region is differentiated and compiled as a whole).
-  fusible = set(autocast_rules.FUSIBLE) - set(extra)
+  fusible = set(rules_lib.FUSIBLE) - set(extra)
   return interp.Context(np.dtype(compute_dtype), table, frozenset(fusible), fp8)
 
 
@@ -175,8 +176,8 @@ def autocast(
       "policy must be an ols.Policy or a policy string such as 'p=f32,c=f16,o=f32'; got"
       f" {type(policy).__name__}."
     )
-  if fp8 is not None and fp8 not in fp8_product.RECIPES:
-    raise ValueError(f"fp8 must be None or one of {fp8_product.RECIPES}; got {fp8!r}.")
+  if fp8 is not None and fp8 not in fp8_lib.RECIPES:
+    raise ValueError(f"fp8 must be None or one of {fp8_lib.RECIPES}; got {fp8!r}.")
   policy = policy_lib.get_policy(policy)
   _check_compute_dtype(np.dtype(policy.compute_dtype))
   ctx = make_context(policy.compute_dtype, rules, fp8)
