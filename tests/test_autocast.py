@@ -261,7 +261,7 @@ def test_an_unknown_primitive_is_named_and_can_be_given_a_rule():
   double_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
   fn = lambda w, x: jnp.sum(double_p.bind(x @ w))
   with pytest.raises(ols.UnknownPrimitiveError, match="'ols_test_double'"):
-    ols.autocast(fn, F16_POLICY)(jnp.eye(8), X)
+    ols.autocast(fn, F16_POLICY, unknown_primitives="error")(jnp.eye(8), X)
   out = ols.autocast(fn, F16_POLICY, rules={"ols_test_double": "as_written"})(jnp.eye(8), X)
   np.testing.assert_allclose(out, 2 * jnp.sum(X), rtol=1e-2)
 

@@ -1,8 +1,9 @@
 """Every primitive the installed jax defines has an `autocast` rule, or is known never to reach it.
 
-A new jax release adds primitives; a function that emits one fails under
-`autocast` with `UnknownPrimitiveError`. These tests find every primitive the
-installed jax defines (in a subprocess: jax, its public modules, every
+A new jax release adds primitives; a function that emits one runs it as
+written under `autocast` with a warning (never in 16 bits), or fails with
+`UnknownPrimitiveError` (`unknown_primitives='error'`). These tests find every
+primitive the installed jax defines (in a subprocess: jax, its public modules, every
 `jax.experimental` module importable without extra dependencies, Pallas
 included, then every `jax.extend.core.Primitive` held by a module whose name
 starts with `jax`), so that CI meets a new primitive before a user does.
@@ -45,28 +46,34 @@ KERNEL_MODULES = (
 )  # fmt: skip
 
 # Pallas, Mosaic and Triton kernel-body primitives (loads, stores, DMAs, semaphores, barriers,
-# program ids, in-kernel PRNG, MMA units): only inside a pallas_call's kernel jaxpr.
+# program ids, in-kernel PRNG, MMA units, FIFOs, reductions across lanes): only inside a
+# pallas_call's kernel jaxpr. Some were renamed in jax 0.11 and 0.12 (`debug_barrier_p` to
+# `debug_barrier`), so both names stand here.
 KERNEL_ONLY = frozenset({
   "_copysign", "add_dependency", "all_reduce_ffs", "all_reduce_population_count",
   "assume_for_verification", "async_copy_scales_to_tmem", "async_copy_smem_to_tmem",
   "async_copy_sparse_metadata_to_tmem", "async_load", "async_prefetch", "async_store_smem",
-  "async_store_tmem", "atomic_cas", "atomic_rmw", "barrier", "barrier_arrive", "barrier_test",
-  "barrier_wait", "bitcast", "commit_group", "commit_smem", "commit_tmem", "copy_gmem_to_smem",
-  "copy_smem_to_gmem", "debug_barrier_p", "delay", "dma_start", "dma_wait", "einshape_lo",
+  "async_store_tmem", "atomic_cas", "atomic_rmw", "barrier", "barrier_arrive",
+  "barrier_arrive_and_wait", "barrier_test", "barrier_wait", "bitcast", "commit_group",
+  "commit_smem", "commit_tmem", "conv", "copy_gmem_to_smem", "copy_smem_to_gmem", "debug_barrier",
+  "debug_barrier_p", "delay", "dma_start", "dma_wait", "einshape_lo", "elementwise_inline_asm",
   "elementwise_inline_asm_p", "emit_pipeline", "get_barrier_semaphore", "get_global",
-  "griddepcontrol_launch_dependents", "griddepcontrol_wait", "inline_mgpu_p", "jaxpr_call",
-  "layout_cast", "load", "masked_cummax", "masked_cummin", "masked_cumsum", "masked_load",
-  "masked_sort", "masked_swap", "matmul_acc_lhs", "matmul_pop", "matmul_push_rhs",
-  "max_contiguous", "mgpu_atomic_store", "multimem_load_reduce", "multimem_store", "multiple_of",
-  "num_programs", "pack", "pack_elementwise", "parallel_loop", "pipeline_body",
+  "griddepcontrol_launch_dependents", "griddepcontrol_wait", "has_memory_space", "inline_mgpu",
+  "inline_mgpu_p", "jaxpr_call", "layout_cast", "load", "masked_cummax", "masked_cummin",
+  "masked_cumsum", "masked_load", "masked_sort", "masked_swap", "matmul_acc_lhs",
+  "matmul_lhs_fifo", "matmul_pop", "matmul_pop_fifo", "matmul_push_rhs", "max_contiguous",
+  "mgpu_atomic_store", "mma", "mosaic_gpu_reduce_max", "mosaic_gpu_reduce_min",
+  "mosaic_gpu_reduce_prod", "mosaic_gpu_reduce_sum", "multimem_load_reduce", "multimem_store",
+  "multiple_of", "num_programs", "pack", "pack_elementwise", "parallel_loop", "pipeline_body",
   "pretend_for_verification", "print_layout", "prng_join", "prng_random_bits", "prng_seed",
   "prng_split", "program_id", "query_cluster_cancel", "reciprocal", "remove_memory_space",
-  "repeat", "roll", "run_scoped", "sc_fetch_and_add", "semaphore_read", "semaphore_signal",
-  "semaphore_signal_multicast", "semaphore_signal_parallel", "semaphore_wait",
-  "set_max_registers_p", "stochastic_round", "tcgen05_commit_arrive", "tcgen05_mma",
-  "trace_value", "try_cluster_cancel", "unique", "unpack", "unpack_elementwise", "wait_load_tmem",
-  "wait_smem_to_gmem", "wgmma", "wgmma_accumulator_deref_p", "wgmma_accumulator_store_p",
-  "wgmma_ref", "wgmma_wait",
+  "repeat", "roll", "run_scoped", "sc_fetch_and_add", "scan_count", "semaphore_read",
+  "semaphore_signal", "semaphore_signal_multicast", "semaphore_signal_parallel", "semaphore_wait",
+  "set_max_registers", "set_max_registers_p", "stochastic_round", "store", "tcgen05_commit_arrive",
+  "tcgen05_mma", "trace_value", "try_cluster_cancel", "unique", "unpack", "unpack_elementwise",
+  "wait_gmem_to_smem", "wait_load_tmem", "wait_smem_to_gmem", "wgmma", "wgmma_accumulator_deref",
+  "wgmma_accumulator_deref_p", "wgmma_accumulator_store", "wgmma_accumulator_store_p", "wgmma_ref",
+  "wgmma_wait",
 })  # fmt: skip
 
 # Primitives with no rule yet: the work queue. Delete a name when its rule lands.
@@ -168,7 +175,7 @@ def _unknown_primitive_message():
   halve_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
   fn = lambda w, x: jnp.sum(halve_p.bind(x @ w))
   with pytest.raises(ols.UnknownPrimitiveError) as info:
-    ols.autocast(fn, "p=f32,c=f16,o=f32")(jnp.eye(2), jnp.ones((2, 2)))
+    ols.autocast(fn, "p=f32,c=f16,o=f32", unknown_primitives="error")(jnp.eye(2), jnp.ones((2, 2)))
   return str(info.value)
 
 

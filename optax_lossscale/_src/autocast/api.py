@@ -65,15 +65,18 @@ def _check_compute_dtype(dtype: np.dtype) -> None:
 
 
 def make_context(
-  compute_dtype: Any, rules: Mapping[str, str] | None, fp8: str | None = None
+  compute_dtype: Any,
+  rules: Mapping[str, str] | None,
+  fp8: str | None = None,
+  unknown_primitives: str = "warn",
 ) -> interp.Context:
-  """The interpreter's context for a compute dtype, the user's extra rules and an fp8 recipe."""
+  """The interpreter's context: compute dtype, extra rules, fp8 recipe, unknown primitives."""
   extra = _check_rules(rules)
   table = {**rules_lib.RULES, **{n: rules_lib.KINDS[k] for n, k in extra.items()}}
   # A primitive given a rule by the user is a region boundary: it may have no
   # JVP or lowering rule (a region is differentiated and compiled as a whole).
   fusible = set(rules_lib.FUSIBLE) - set(extra)
-  return interp.Context(np.dtype(compute_dtype), table, frozenset(fusible), fp8)
+  return interp.Context(np.dtype(compute_dtype), table, frozenset(fusible), fp8, unknown_primitives)
 
 
 def _is_array(x: Any) -> bool:
@@ -86,6 +89,7 @@ def autocast(
   *,
   rules: Mapping[str, str] | None = None,
   fp8: str | None = None,
+  unknown_primitives: str = "warn",
 ) -> Callable[..., Any]:
   r"""Returns `fun` running in mixed precision, the dtype of every op decided on its jaxpr.
 
@@ -119,9 +123,11 @@ def autocast(
   returns), `custom_jvp` (the body is interpreted, the rule kept and
   interpreted alike), `custom_vjp` (run as written, body and rules) and
   `shard_map`, and composes with `jit`, `grad`, `vmap`, `jvp` and
-  `ols.value_and_grad`. A primitive without a rule raises an
-  `UnknownPrimitiveError` naming it; `rules={'name': kind}` supplies one,
-  kind one of 'compute', 'float32', 'widest', 'as_written', 'independent'.
+  `ols.value_and_grad`. A primitive without a rule (a new jax release's, a
+  library's own) runs as written, its inputs cast back to the dtypes the
+  function declares, and `autocast` warns once per primitive, naming it;
+  `rules={'name': kind}` gives it a rule, kind one of 'compute', 'float32',
+  'widest', 'as_written', 'independent'.
 
   Arrays among the arguments (any pytree leaf that is a JAX or NumPy array)
   are traced; other leaves (Python numbers, strings, config objects) are
@@ -145,6 +151,11 @@ def autocast(
       accumulation, forward (`float8_e4m3fn`) and backward (the gradient in
       `float8_e5m2`), each operand scaled by its current amax, one scale per
       tensor or one power-of-two scale per row (docs/guides/fp8_autocast.md).
+    unknown_primitives: what a primitive without a rule does: 'warn' (the
+      default) runs it as written (its inputs in the dtypes the function
+      declares, its outputs as it returns them) and warns once per primitive
+      per process, naming the `rules=` entry that keeps its 16-bit work in 16
+      bits; 'error' raises `UnknownPrimitiveError` when `fun` is traced.
 
   Returns:
     A function with `fun`'s signature.
@@ -178,9 +189,13 @@ def autocast(
     )
   if fp8 is not None and fp8 not in fp8_lib.RECIPES:
     raise ValueError(f"fp8 must be None or one of {fp8_lib.RECIPES}; got {fp8!r}.")
+  if unknown_primitives not in interp.UNKNOWN_PRIMITIVES:
+    raise ValueError(
+      f"unknown_primitives must be one of {interp.UNKNOWN_PRIMITIVES}; got {unknown_primitives!r}."
+    )
   policy = policy_lib.get_policy(policy)
   _check_compute_dtype(np.dtype(policy.compute_dtype))
-  ctx = make_context(policy.compute_dtype, rules, fp8)
+  ctx = make_context(policy.compute_dtype, rules, fp8, unknown_primitives)
 
   @functools.wraps(fun)
   def mixed(*args: Any, **kwargs: Any) -> Any:

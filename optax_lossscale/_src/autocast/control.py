@@ -203,9 +203,8 @@ def _batched_step(
 def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`lax.scan`, with the carry's dtypes at their fixed point."""
   p = eqn.params
-  consts, rest = _split(invals, p["num_consts"])
-  init, xs = _split(rest, p["num_carry"])
-  num_carry = p["num_carry"]
+  consts, init, xs = compat.scan_operands(p, invals)
+  num_carry = len(init)
   kinds = _kinds(consts) + [Kind.ACT] * len(init) + _kinds(xs)
 
   def body(carry: Sequence[Any], x: Sequence[Any]) -> tuple[list[Any], list[Any]]:

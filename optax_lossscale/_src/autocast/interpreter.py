@@ -31,7 +31,9 @@ import contextvars
 import dataclasses
 import enum
 import functools
+import threading
 from typing import Any
+import warnings
 
 import jax
 from jax import lax
@@ -48,8 +50,10 @@ Rule = Callable[["Context", Any, list[Any]], list[Any]]
 class UnknownPrimitiveError(NotImplementedError):
   """`autocast` met a primitive it has no rule for; the message names it.
 
-  Raised when the function is traced, never as a silent float32 fallback.
-  `autocast(fun, policy, rules={name: kind})` gives the primitive a rule.
+  Raised when the function is traced, under `autocast(...,
+  unknown_primitives='error')`; by default such a primitive runs as written
+  and `autocast` warns once. `autocast(fun, policy, rules={name: kind})`
+  gives the primitive a rule.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -59,7 +63,7 @@ class UnknownPrimitiveError(NotImplementedError):
     >>> _ = halve_p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
     >>> f = lambda x: halve_p.bind((x @ x).astype(jnp.float16))
     >>> try:
-    ...   ols.autocast(f, 'c=f16')(jnp.ones((2, 2)))
+    ...   ols.autocast(f, 'c=f16', unknown_primitives='error')(jnp.ones((2, 2)))
     ... except ols.UnknownPrimitiveError as e:
     ...   print(str(e).split(',')[0])
     autocast has no rule for the primitive 'halve'
@@ -68,17 +72,62 @@ class UnknownPrimitiveError(NotImplementedError):
   """
 
 
+# What a primitive without a rule does: run as written and warn once, or raise.
+UNKNOWN_PRIMITIVES = ("warn", "error")
+
+_RULE_ADVICE = (
+  " Give it one with autocast(fun, policy, rules={{{name!r}: kind}}):"
+  " 'widest' runs it on its inputs' widest floating dtype, so 16-bit work stays in 16"
+  " bits (right for an elementwise or data-movement kernel that accepts any float);"
+  " 'float32' promotes its inputs to float32 (right for an overflow-prone op);"
+  " 'as_written' casts its inputs back to the dtypes the function declares, float32"
+  " for a float32 function (right for a typed kernel, but it runs 16-bit work in"
+  " float32); 'independent' and 'compute' are the other kinds ({kinds})."
+)
+
+
 def unknown_primitive(name: str) -> UnknownPrimitiveError:
   return UnknownPrimitiveError(
     f"autocast has no rule for the primitive {name!r}, so it cannot tell which dtype it"
-    f" must run in. Give it one with autocast(fun, policy, rules={{{name!r}: kind}}):"
-    " 'widest' runs it on its inputs' widest floating dtype, so 16-bit work stays in 16"
-    " bits (right for an elementwise or data-movement kernel that accepts any float);"
-    " 'float32' promotes its inputs to float32 (right for an overflow-prone op);"
-    " 'as_written' casts its inputs back to the dtypes the function declares, float32"
-    " for a float32 function (right for a typed kernel, but it runs 16-bit work in"
-    f" float32); 'independent' and 'compute' are the other kinds ({list(KIND_NAMES)})."
+    " must run in (unknown_primitives='error')."
+    + _RULE_ADVICE.format(name=name, kinds=list(KIND_NAMES))
   )
+
+
+# The primitives already warned about: one warning per primitive per process.
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def rule_of(ctx: Context, name: str) -> Rule:
+  """The rule of the primitive `name`; without one, `as_written` (with a warning) or an error.
+
+  Running an unknown primitive as written (its inputs cast back to the
+  dtypes the function declares, its outputs as it returns them) is never
+  wrong, only slower: its inputs are what the function as written gives it,
+  whatever the primitive does (a bitcast reads bits of a declared width, a
+  typed kernel wants its dtypes). Any other guess (float32 inputs, the
+  widest dtype) can be silently wrong.
+  """
+  rule = ctx.rules.get(name)
+  if rule is not None:
+    return rule
+  if ctx.unknown_primitives == "error":
+    raise unknown_primitive(name)
+  with _WARNED_LOCK:
+    first = name not in _WARNED
+    _WARNED.add(name)
+  if first:
+    warnings.warn(
+      f"autocast has no rule for the primitive {name!r}: it runs as written, on the dtypes"
+      " the function declares (float32 for a float32 function), so its work is not in 16"
+      f" bits. If it accepts any floating dtype, rules={{{name!r}: 'widest'}} keeps 16-bit"
+      f" work in 16 bits; rules={{{name!r}: 'as_written'}} keeps it as it runs now, without"
+      " this warning; unknown_primitives='error' raises instead. (Warned once per primitive.)",
+      UserWarning,
+      stacklevel=2,
+    )
+  return as_written
 
 
 class Kind(enum.Enum):
@@ -107,10 +156,12 @@ class Context:
   rules: Mapping[str, Rule]
   fusible: frozenset[str] = frozenset()
   fp8: str | None = None
+  unknown_primitives: str = "warn"
 
   @functools.cached_property
   def _key(self) -> tuple[Any, ...]:
-    return (self.compute_dtype, tuple(sorted(self.rules.items())), self.fusible, self.fp8)
+    rules = tuple(sorted(self.rules.items()))
+    return (self.compute_dtype, rules, self.fusible, self.fp8, self.unknown_primitives)
 
   def __hash__(self) -> int:
     return hash(self._key)
@@ -234,9 +285,7 @@ def eval_flat(ctx: Context, eqns: Sequence[Any], invars: Sequence[Any], outvars:
   token = _IN_REGION.set(True)
   try:
     for eqn in eqns:
-      rule = ctx.rules.get(eqn.primitive.name)
-      if rule is None:
-        raise unknown_primitive(eqn.primitive.name)
+      rule = rule_of(ctx, eqn.primitive.name)
       with compat.eqn_context(eqn, names=False):
         outs = rule(ctx, eqn, [read(v) for v in eqn.invars])
       env.update(zip(eqn.outvars, outs, strict=True))

@@ -57,9 +57,7 @@ def eval_jaxpr(
         outs = regions.run(ctx, step, invals, kinds_in)
       else:
         eqn = step.eqn
-        rule = ctx.rules.get(eqn.primitive.name)
-        if rule is None:
-          raise interp.unknown_primitive(eqn.primitive.name)
+        rule = interp.rule_of(ctx, eqn.primitive.name)
         with compat.eqn_context(eqn):
           outs = rule(ctx, eqn, invals)
       interp.mark_tangents(invals, outs)

@@ -45,6 +45,8 @@ FLOAT32 = (
   "atanh", "erf", "erfc", "erf_inv", "lgamma", "digamma", "polygamma", "igamma", "igammac",
   "igamma_grad_a", "random_gamma_grad", "zeta", "bessel_i0e", "bessel_i1e",
   "regularized_incomplete_beta", "nextafter", "complex",
+  # jax >= 0.11: `log2`; `1 - x**2` (tanh's gradient); a polynomial by Horner (polyval, sinc)
+  "log2", "one_minus_square", "polynomial",
   # sums and products over many elements: accumulated in float32
   "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
   "select_and_scatter_add",
@@ -82,6 +84,10 @@ INDEPENDENT = (
   "pbroadcast", "psum_invariant", "all_gather_invariant", "all_gather_reduced", "pvary",
   "preduced", "unreduced_psum", "unreduced_reduce_scatter", "vary_unreduced_cast_p",
   "reduced_vary_cast_p", "psend", "precv", "ragged_all_to_all",
+  # jax >= 0.11: the casts renamed without `_p`, unreduced max and min, a broadcast from a
+  # dynamic source
+  "reduced_vary_cast", "vary_unreduced_cast", "unreduced_pmax", "unreduced_pmin",
+  "pbroadcast_dynamic",
   # the asynchronous halves of the collectives
   "psum_start", "psum_done", "psum_invariant_start", "all_gather_start", "all_gather_done",
   "all_gather_reduced_start", "all_to_all_start", "all_to_all_done", "ppermute_start",
@@ -93,7 +99,7 @@ INDEPENDENT = (
   "axis_index", "platform_index", "create_token", "after_all", "dce_sink", "tie", "pin",
   "unpin", "dimension_size", "dim_as_value", "shape_assertion", "lu_pivots_to_permutation",
   "full_to_shard", "shard_to_full", "pgather", "global_array_to_host_local_array",
-  "host_local_array_to_global_array",
+  "host_local_array_to_global_array", "relayout",
 )  # fmt: skip
 
 # Dtypes fixed by the function: bitcasts, typed kernels and callbacks, custom_vjp, refs.
@@ -104,6 +110,8 @@ AS_WRITTEN = (
   "pallas_call", "tpu_custom_call", "cudnn_fusion", "custom_partitioning",
   "custom_linear_solve", "custom_vmap_call", "linear_call", "custom_lin", "remat_opt",
   "composite", "compute_on", "call_exported", "check", "xla_metadata_value", "eval_jaxpr",
+  # jax >= 0.12: a call whose equations run in program order (a jaxpr bound as written)
+  "program_order",
   "xla_metadata_call", "fused_call", "scheduling_group", "custom_transpose_call",
   "custom_dce_call", "dce_sential", "for", "assert_consumed_value", "consume", "array_ref",
   # jax < 0.8 only: pmap's own primitive (later releases build pmap from jit and shard_map)
@@ -132,6 +140,12 @@ AS_WRITTEN = (
   "call_hi_primitive_linearized", "stage",
   # whole kernels and fusions built by hand (Pallas core_map, fusers)
   "core_map", "mpmd_map", "fusible", "pack_dtype", "unpack_dtype", "custom_fusion",
+  # jax.experimental.thunky (jax >= 0.12): XLA:GPU thunks on typed device buffers
+  "thunky.all_gather", "thunky.all_reduce", "thunky.all_to_all", "thunky.async_done",
+  "thunky.async_start", "thunky.call_jax", "thunky.call_thunky_nested",
+  "thunky.collective_group", "thunky.collective_permute", "thunky.cond", "thunky.copy",
+  "thunky.custom_call", "thunky.inline_constant", "thunky.memset", "thunky.memzero",
+  "thunky.ptx_kernel", "thunky.reduce_scatter", "thunky.while",
 )  # fmt: skip
 
 # Primitives holding jaxprs.

@@ -50,6 +50,23 @@ def custom_jvp_rule_jaxpr(params: dict[str, Any], num_args: int) -> tuple[Any, A
   return jaxpr, consts, list(out_zeros)
 
 
+def scan_operands(params: dict[str, Any], args: list[Any]) -> tuple[list[Any], ...]:
+  """A `scan` equation's operands split as `(consts, carry, xs)`.
+
+  jax 0.11 replaced the counts `num_consts` and `num_carry` with `ft_in`, a
+  flat tree of the three groups (private: `jax._src.lax.control_flow.loops`
+  splits them this way; checked on jax 0.11.2 and 0.12.0.1).
+  """
+  if "ft_in" in params:
+    return tuple(list(part) for part in params["ft_in"].update(args).unpack())
+  n_consts, n_carry = params["num_consts"], params["num_carry"]  # jax < 0.11
+  return (
+    list(args[:n_consts]),
+    list(args[n_consts : n_consts + n_carry]),
+    list(args[n_consts + n_carry :]),
+  )
+
+
 def shard_map_manual_axes(params: dict[str, Any]) -> frozenset[Any]:
   """The mesh axes a `shard_map` equation is manual over (`jax.shard_map`'s `axis_names`).
 
