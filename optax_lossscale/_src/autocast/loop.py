@@ -53,18 +53,28 @@ def eval_jaxpr(
     for step in plan.steps:  # another trace)
       invals = [read(v) for v in step.invars]
       if isinstance(step, regions.Region):
-        kinds_in = [plan.kinds.get(v, Kind.GIVEN) for v in step.invars]
-        outs = regions.run(ctx, step, invals, kinds_in)
+        # In a custom_jvp rule, a region's primal work and its tangent work run apart.
+        tangent = [interp.any_tangent([x]) for x in invals]
+        parts = regions.split_at_tangents(step, tangent) if any(tangent) else (step,)
+        for part in parts:
+          ins = [read(v) for v in part.invars]
+          kinds_in = [plan.kinds.get(v, Kind.GIVEN) for v in part.invars]
+          _write(env, plan, part, ins, regions.run(ctx, part, ins, kinds_in))
       else:
         eqn = step.eqn
         rule = interp.rule_of(ctx, eqn.primitive.name)
         with compat.eqn_context(eqn):
-          outs = rule(ctx, eqn, invals)
-      interp.mark_tangents(invals, outs)
-      for v, out in zip(step.outvars, outs, strict=True):
-        env[v] = out  # dropped outputs too, as JAX does
-        interp.remember_kind(out, plan.kinds.get(v, Kind.ACT))
+          _write(env, plan, step, invals, rule(ctx, eqn, invals))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _write(env: dict[Any, Any], plan: regions.Plan, step: Any, invals: list[Any],
+           outs: list[Any]) -> None:  # fmt: skip
+  """Stores a step's outputs with their kinds (tangents when computed from one)."""
+  interp.mark_tangents(invals, outs)
+  for v, out in zip(step.outvars, outs, strict=True):
+    env[v] = out  # dropped outputs too, as JAX does
+    interp.remember_kind(out, plan.kinds.get(v, Kind.ACT))
 
 
 def eval_closed(

@@ -195,6 +195,33 @@ def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region
   )
 
 
+def split_at_tangents(region: Region, tangent: Sequence[bool]) -> tuple[Region, ...]:
+  """`region` as its primal part then its tangent part, in a `custom_jvp` rule.
+
+  `tangent` says which of the region's inputs are linear in the rule's
+  tangents. JAX linearizes a rule by evaluating what does not depend on the
+  tangents ahead (jax >= 0.11 requires every primal output of the rule to come
+  from that part); a region is one call, so a region mixing primal and tangent
+  work would make its primal outputs depend on the tangents. The primal part
+  never reads the tangent part, so running it first keeps the order.
+  """
+  linear_vars = {v for v, t in zip(region.invars, tangent, strict=True) if t}
+  primal: list[Any] = []
+  linear: list[Any] = []
+  for eqn in region.eqns:
+    if any(v in linear_vars for v in eqn.invars if not isinstance(v, jex.core.Literal)):
+      linear.append(eqn)
+      linear_vars.update(eqn.outvars)
+    else:
+      primal.append(eqn)
+  if not primal or not linear:
+    return (region,)
+  read_later = {v for e in linear for v in e.invars if not isinstance(v, jex.core.Literal)}
+  read_later.update(region.outvars)
+  keep = dict.fromkeys(read_later, 0)  # "read at or after step 0": kept as an output
+  return (_region(primal, keep, 0), _region(linear, dict.fromkeys(region.outvars, 0), 0))
+
+
 def _common(stacks: Sequence[Any]) -> Any:
   """The longest common prefix of the equations' name stacks (the region's scope in HLO)."""
   first = stacks[0]
