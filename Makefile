@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= dev,flax,bench,equinox
 
 .PHONY: install test test-examples lint demo bench bench-quick clean docs dist-check
-.PHONY: test-compat test-lowest test-py312 test-py313 constraints-lowest
+.PHONY: test-compat test-lowest test-py312 test-py313 test-newest constraints-lowest
+.PHONY: constraints-newest
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
@@ -91,12 +92,22 @@ PY_TESTS := tests/test_loss_scale.py tests/test_optimizer.py tests/test_apply_gr
   tests/test_compositions.py tests/test_peer_semantics.py tests/test_long_runs.py \
   tests/test_overflow_guard.py tests/test_guard_outputs.py tests/test_policy.py \
   tests/test_autocast.py optax_lossscale
+# On the newest jax and flax (constraints-newest.txt, Python 3.12: jax >= 0.11
+# and flax >= 0.12.9 need it): what a new jax release breaks first, autocast
+# (it reads jaxprs: the walk over every primitive jax defines, the rules, the
+# regions, fp8, the unknown-primitive fallback), the Flax and Equinox
+# integrations, and the loss scales and wrappers; about 7 minutes on 2 cores.
+NEWEST_TESTS := $(addprefix tests/,test_autocast_primitives.py test_autocast_unknown.py \
+  test_autocast.py test_autocast_regions.py test_autocast_ops.py test_fp8_autocast.py \
+  test_layout.py test_flax_train_state.py test_flax_nnx.py test_equinox.py test_loss_scale.py \
+  test_optimizer.py test_skip_bad_steps.py test_master_weights.py)
 TEST_DEPS := pytest pytest-xdist hypothesis jmp chex
 LOWEST := .venv-lowest
+NEWEST := .venv-newest
 PY312 := .venv-py312
 PY313 := .venv-py313
 
-test-compat: test-lowest test-py312 test-py313
+test-compat: test-lowest test-py312 test-py313 test-newest
 
 # The lowest declared versions (pyproject.toml's lower bounds, everything else
 # pinned by constraints-lowest.txt) on Python 3.11.
@@ -123,6 +134,25 @@ test-py313: $(PY313)/.installed-stamp
 	.venv-py3$*/bin/python -m pip install --quiet -c constraints.txt -e . $(TEST_DEPS)
 	touch $@
 
+test-newest: $(NEWEST)/.installed-stamp
+	$(NEWEST)/bin/python -m pytest -n 2 --dist loadfile $(NEWEST_TESTS)
+
+$(NEWEST)/.installed-stamp: pyproject.toml constraints-newest.txt
+	test -x $(NEWEST)/bin/python || $$(.ci/find-python 3.12) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install --quiet -c constraints-newest.txt -e '.[flax,equinox]' \
+	  $(TEST_DEPS)
+	touch $@
+
+# Regenerates constraints-newest.txt (after a jax or flax release): a fresh
+# Python 3.12 environment holding the newest releases pip resolves today, frozen.
+constraints-newest:
+	rm -rf .venv-freeze
+	$$(.ci/find-python 3.12) -m venv .venv-freeze
+	.venv-freeze/bin/python -m pip install --quiet -e '.[flax,equinox]' $(TEST_DEPS)
+	{ echo '# The newest releases pip resolved on Python 3.12: `make constraints-newest`.'; \
+	  .venv-freeze/bin/python -m pip freeze --exclude-editable; } > constraints-newest.txt
+	rm -rf .venv-freeze
+
 # Regenerates constraints-lowest.txt after a lower bound in pyproject.toml
 # changes: a fresh environment holding exactly the lower bounds, and whatever
 # else pip resolves today, frozen.
@@ -137,4 +167,4 @@ constraints-lowest:
 	rm -rf .venv-freeze
 
 clean:
-	rm -rf $(VENV) $(LOWEST) $(PY312) $(PY313) $(DIST_VENV) build dist *.egg-info docs/_build
+	rm -rf $(VENV) $(LOWEST) $(NEWEST) $(PY312) $(PY313) $(DIST_VENV) build dist *.egg-info docs/_build

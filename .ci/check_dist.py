@@ -37,7 +37,7 @@ def check_files(dist: pathlib.Path) -> list[str]:
   missing = set(CLASSIFIERS) - set(metadata.get_all("Classifier") or [])
   errors += [f"{wheel.name} lacks the classifier {c!r}" for c in sorted(missing)]
   requires = metadata.get_all("Requires-Dist") or []
-  # The name of each requirement ("jax<0.11,>=0.7.1", "optax>=0.2.4").
+  # The name of each requirement ("jax>=0.7.1", "optax<1,>=0.2.4").
   runtime = sorted(re.match(r"[A-Za-z0-9._-]+", r)[0] for r in requires if "extra ==" not in r)
   if runtime != ["jax", "jaxlib", "optax"]:
     errors.append(f"runtime dependencies are {runtime}, expected jax, jaxlib and optax")
