@@ -241,20 +241,27 @@ def custom_jvp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   new = jax.custom_jvp(fun)
 
   def rule(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[list[Any], list[Any]]:
-    jaxpr, rule_consts, out_zeros = compat.custom_jvp_rule_jaxpr(p, len(primals))
-    with interp.tangents_scope(tangents):
+    # The rule's jaxpr for the tangents it is given, as JAX asks for it (`lift_jvp`): a
+    # function with symbolic zeros (Equinox's `filter_custom_jvp`) is told which tangents
+    # are zero, and its rule may refuse a tangent it is not meant to be given.
+    zeros = [isinstance(t, jax.custom_derivatives.SymbolicZero) for t in tangents]
+    jaxpr, rule_consts, out_zeros = compat.custom_jvp_rule_jaxpr(p, len(primals), zeros)
+    nonzero = [t for t, z in zip(tangents, zeros, strict=True) if not z]
+    arg_kinds = kinds[len(consts) :]
+    tangent_kinds = [k for k, z in zip(arg_kinds, zeros, strict=True) if not z]
+    with interp.tangents_scope(nonzero):
       outs = loop.eval_jaxpr(
-        ctx, jaxpr, rule_consts, [*primals, *tangents], kinds[len(consts) :] * 2
+        ctx, jaxpr, rule_consts, [*primals, *nonzero], [*arg_kinds, *tangent_kinds]
       )
     primals_out = interp.cast_all(outs[: len(out_zeros)], dtypes)
-    nonzero = iter(outs[len(out_zeros) :])
+    nonzero_out = iter(outs[len(out_zeros) :])
     tangents_out = [
-      _zeros(x) if zero else interp.cast(next(nonzero), interp.dtype_of(x))
+      _zeros(x) if zero else interp.cast(next(nonzero_out), interp.dtype_of(x))
       for x, zero in zip(primals_out, out_zeros, strict=True)
     ]
     return primals_out, tangents_out
 
-  new.defjvp(rule)
+  new.defjvp(rule, symbolic_zeros=p["symbolic_zeros"])
   return list(new(*args))
 
 

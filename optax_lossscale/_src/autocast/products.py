@@ -103,7 +103,9 @@ def _product(
   """`primitive` on compute-dtype operands: float32 accumulation forward, 16-bit backward."""
   params = dict(items)
 
-  def product(*ops: Any, preferred: Any) -> Any:
+  def product(*ops: Any, preferred: Any, fence: bool = True) -> Any:
+    if fence and primitive.name == "dot_general" and _refused_on_cpu(*ops, params["dimension_numbers"]):
+      return _fenced_dot(*ops, params, preferred)
     return primitive.bind(*ops, **{**params, "preferred_element_type": preferred})
 
   @jax.custom_jvp
@@ -113,7 +115,7 @@ def _product(
   def f_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
     out = interp.cast(product(*primals, preferred=np.float32), result)
     terms = [
-      product(*primals[:i], t, *primals[i + 1 :], preferred=c)
+      product(*primals[:i], t, *primals[i + 1 :], preferred=c, fence=False)
       for i, t in enumerate(tangents)
       if interp.is_float(primals[i]) and not isinstance(t, jax.custom_derivatives.SymbolicZero)
     ]
@@ -126,3 +128,53 @@ def _product(
     return f(*ops)
 
   return jax.jit(autocast_product)
+
+
+# -- a form the CPU backend compiles but cannot run.
+
+
+def _refused_on_cpu(lhs: Any, rhs: Any, dims: Any) -> bool:
+  """Whether XLA's CPU backend would compile this bfloat16 product into one it cannot run.
+
+  XLA 0.10.2 on the CPU keeps a bfloat16 product for its YNNPACK kernels and
+  upcasts the others; a product whose lhs is contracted on a leading
+  dimension and whose rhs has several free dimensions (or is not in
+  batch, contracting, free order) is kept, then rewritten into a form the
+  library does not take, and fails at run time ("Unsupported element type
+  for DotThunk::Execute: BF16 x BF16 = F32"; e3nn-jax's tensor products and
+  linear layers are such products). Any other product, and any product in
+  float16, runs as written.
+  """
+  if jax.default_backend() != "cpu":
+    return False
+  if not all(interp.dtype_of(v) == jnp.bfloat16 for v in (lhs, rhs)):
+    return False
+  (lc, rc), (lb, rb) = dims
+  lf = [d for d in range(np.ndim(lhs)) if d not in lc and d not in lb]
+  rf = [d for d in range(np.ndim(rhs)) if d not in rc and d not in rb]
+  lhs_canonical = [*lb, *lf, *lc] == list(range(np.ndim(lhs)))
+  rhs_canonical = [*rb, *rc, *rf] == list(range(np.ndim(rhs))) and len(rf) <= 1
+  return not lhs_canonical and not rhs_canonical
+
+
+def _fenced_dot(lhs: Any, rhs: Any, params: dict[str, Any], preferred: Any) -> Any:
+  """The same product as `[batch, m, k] @ [batch, k, n]`, its operands behind a barrier.
+
+  XLA folds a transpose or reshape into the product it feeds, which would
+  give back the form `_refused_on_cpu` avoids; the optimization barrier
+  keeps the canonical operands (a copy of each, on the CPU only).
+  """
+  (lc, rc), (lb, rb) = params["dimension_numbers"]
+  lf = [d for d in range(np.ndim(lhs)) if d not in lc and d not in lb]
+  rf = [d for d in range(np.ndim(rhs)) if d not in rc and d not in rb]
+  size = lambda x, ds: int(np.prod([np.shape(x)[d] for d in ds], dtype=np.int64))
+  b, m, k, n = size(lhs, lb), size(lhs, lf), size(lhs, lc), size(rhs, rf)
+  a = lax.reshape(lhs, (b, m, k), dimensions=(*lb, *lf, *lc))
+  c = lax.reshape(rhs, (b, k, n), dimensions=(*rb, *rc, *rf))
+  a, c = lax.optimization_barrier((a, c))
+  out = lax.dot_general(
+    a, c, (((2,), (1,)), ((0,), (0,))), precision=params.get("precision"),
+    preferred_element_type=preferred,
+  )  # fmt: skip
+  shape = [np.shape(lhs)[d] for d in (*lb, *lf)] + [np.shape(rhs)[d] for d in rf]
+  return lax.reshape(out, tuple(shape))

@@ -30,6 +30,7 @@ policy may save).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from optax_lossscale._src.autocast import control, products
 from optax_lossscale._src.autocast import interpreter as interp
@@ -148,6 +149,37 @@ AS_WRITTEN = (
   "thunky.ptx_kernel", "thunky.reduce_scatter", "thunky.while",
 )  # fmt: skip
 
+# Primitives that libraries define (named here, never imported: the core imports neither).
+# None joins a region: a region is differentiated and compiled whole, and some of these
+# refuse a transformation on purpose (`nontraceable`, `nondifferentiable_backward`).
+LIBRARIES: Mapping[str, str] = {
+  # Equinox 0.13 (equinox.internal): reductions over the batch that ignore vmap, on booleans
+  # and integers; identities that refuse a transformation; a select and a buffer write of
+  # its while loops, whose operands must agree (widest, so a 16-bit value stays 16-bit);
+  # `noinline` calls a function traced for the declared dtypes.
+  "unvmap_all": "independent", "unvmap_any": "independent", "unvmap_max": "independent",
+  "nontraceable": "independent", "nondifferentiable_backward": "independent",
+  "nonbatchable": "independent", "announce_jaxpr": "independent",
+  "select_if_vmap": "widest", "maybe_set": "widest", "noinline": "as_written",
+  # Lineax (diffrax's and optimistix's linear solves): the operator's declared dtypes.
+  "linear_solve": "as_written",
+}  # fmt: skip
+
+
+def _batched(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """Equinox's `vprim`: a primitive under `vmap`, run by the rule of its kind.
+
+  Equinox batches its primitives (`maybe_set`, Lineax's `linear_solve`) by
+  binding `vprim` with the primitive as a parameter; the batched one runs in
+  the dtypes the unbatched one would. A primitive without a first-order kind
+  runs as written.
+  """
+  rule = ctx.rules.get(eqn.params["prim"].name)
+  if rule not in KINDS.values():
+    rule = interp.as_written
+  return rule(ctx, eqn, invals)
+
+
 # Primitives holding jaxprs.
 CONTROL: Mapping[str, interp.Rule] = {
   "jit": control.jit,
@@ -172,6 +204,7 @@ KIND_OF: dict[str, str] = {
   **dict.fromkeys(WIDEST, "widest"),
   **dict.fromkeys(INDEPENDENT, "independent"),
   **dict.fromkeys(AS_WRITTEN, "as_written"),
+  **LIBRARIES,
 }
 
 KINDS: dict[str, interp.Rule] = {
@@ -185,6 +218,7 @@ KINDS: dict[str, interp.Rule] = {
 RULES: dict[str, interp.Rule] = {
   **{name: KINDS[kind] for name, kind in KIND_OF.items()},
   **CONTROL,
+  "vprim": _batched,
 }
 
 # What may join a region (see the module docstring).

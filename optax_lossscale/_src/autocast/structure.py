@@ -109,7 +109,10 @@ def _custom_jvp_key(eqn: Any, enclosing: tuple[Any, ...]) -> Any:
   if body in enclosing:
     return ("custom_jvp, the enclosing one", enclosing.index(body))
   num_args = len(eqn.invars) - p["num_consts"]
-  rule, rule_consts, out_zeros = compat.custom_jvp_rule_jaxpr(p, num_args)
+  try:
+    rule, rule_consts, out_zeros = compat.custom_jvp_rule_jaxpr(p, num_args)
+  except Exception as e:  # a rule that refuses to be traced (Equinox's `nondifferentiable`
+    raise Unkeyable("a custom_jvp rule that does not trace") from e  # raises by design)
   return (
     "custom_jvp",
     body,

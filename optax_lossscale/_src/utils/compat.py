@@ -36,17 +36,20 @@ def pvary(x: jax.Array, axis_names: tuple[Any, ...]) -> jax.Array:
   return jax.lax.pvary(x, axis_names)  # jax < 0.9
 
 
-def custom_jvp_rule_jaxpr(params: dict[str, Any], num_args: int) -> tuple[Any, Any, list[bool]]:
+def custom_jvp_rule_jaxpr(
+  params: dict[str, Any], num_args: int, zeros: Any = None
+) -> tuple[Any, Any, list[bool]]:
   """The JVP rule of a `custom_jvp_call` equation as `(jaxpr, consts, out_zeros)`.
 
   The jaxpr takes the primal arguments (without the call's consts) and then
-  one tangent per argument, all nonzero; `out_zeros` says which output
-  tangents the rule returns as symbolic zeros (those are not among the
-  jaxpr's outputs). JAX keeps the rule as a thunk, `jvp_jaxpr_fun`, the same
-  in jax 0.7.1 and 0.10.2 (private: `jax._src.custom_derivatives.lift_jvp`
-  calls it this way).
+  one tangent per argument whose entry of `zeros` is False (default: all
+  nonzero); `out_zeros` says which output tangents the rule returns as
+  symbolic zeros (those are not among the jaxpr's outputs). JAX keeps the
+  rule as a thunk, `jvp_jaxpr_fun`, the same in jax 0.7.1 and 0.10.2
+  (private: `jax._src.custom_derivatives.lift_jvp` calls it this way).
   """
-  jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*[False] * num_args)
+  zeros = [False] * num_args if zeros is None else [bool(z) for z in zeros]
+  jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*zeros)
   return jaxpr, consts, list(out_zeros)
 
 
