@@ -14,7 +14,7 @@ from typing import Any
 import jax.extend as jex
 
 from optax_lossscale._src.autocast import interpreter as interp
-from optax_lossscale._src.autocast import regions
+from optax_lossscale._src.autocast import regions, report
 from optax_lossscale._src.utils import compat
 
 Kind = interp.Kind
@@ -60,7 +60,7 @@ def eval_jaxpr(
         rule = ctx.rules.get(eqn.primitive.name)
         if rule is None:
           raise interp.unknown_primitive(eqn.primitive.name)
-        with compat.eqn_context(eqn):
+        with compat.eqn_context(eqn), report.entering(eqn):
           outs = rule(ctx, eqn, invals)
       interp.mark_tangents(invals, outs)
       for v, out in zip(step.outvars, outs, strict=True):
