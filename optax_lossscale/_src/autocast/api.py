@@ -231,7 +231,8 @@ def autocast(
     report.called()
     with interp.scope(), report.recording() as rows:
       flat = loop.eval_jaxpr(ctx, closed.jaxpr, closed.consts, arrays)
-    if fp8 is not None and not warned and not any(r.fp8 for r in rows.values()):
+    quiet = warned or report.reporting() or any(r.fp8 for r in rows.values())
+    if fp8 is not None and not quiet:
       warned.append(True)
       _warn_no_fp8(fun, fp8, fp8_products, list(rows.values()))
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
@@ -254,14 +255,13 @@ def autocast(
 def _warn_no_fp8(fun: Any, fp8: str, products: Any, rows: list[report.ProductRow]) -> None:
   """Says that `fp8=` changed nothing in `fun`, and why, product by product in brief."""
   reasons = collections.Counter(
-    "the cost model (below x1)" if r.reason.startswith("cost model") else repr(r.reason)
-    for r in rows
+    "cost model below x1" if r.reason.startswith("cost model") else repr(r.reason) for r in rows
   )
   why = ", ".join(f"{n} {reason}" for reason, n in reasons.most_common()) or "none"
   name = getattr(fun, "__qualname__", None) or type(fun).__name__
   warnings.warn(
     f"autocast(fp8={fp8!r}, fp8_products={products!r}): no matrix product of {name} runs in"
-    f" fp8; of its {len(rows)}, the reasons: {why}. It runs in the compute dtype."
+    f" fp8; of its {len(rows)} products: {why}. It runs in the compute dtype."
     " fp8_products='all' puts every product whose dimensions allow it (all at least"
     f" {fp8_lib.MIN_DIMENSION}) in fp8; ols.autocast_report(f, *args) lists each product.",
     stacklevel=3,

@@ -183,6 +183,11 @@ def replay(rows: dict[tuple[int, ...], ProductRow]) -> None:
     current.setdefault((*ids, *key), row._replace(name=_join(prefix, row.name)))
 
 
+def reporting() -> bool:
+  """Whether an `autocast_report` is tracing (its table says what a warning would)."""
+  return _CALLS.get() is not None
+
+
 def called() -> None:
   """Counts an `autocast` function run under `autocast_report`."""
   calls = _CALLS.get()
