@@ -4,10 +4,10 @@
 same initial parameters on the same batches, in four variants: `float32`
 (bare optax), `bfloat16` (`ols.autocast(loss, "p=f32,c=bf16,o=f32")`), and
 the same with `fp8="tensorwise"` and `fp8="rowwise"` (`skip_bad_steps`
-around Adam for the three autocast rows). The fp8 rows are traced within
-`fp8_product.every_product()`: at these CPU sizes the cost model would leave
-every product in bfloat16, and what is measured here is fp8's numerics on
-every product with dimensions >= 16 (the worst case), not its speed.
+around Adam for the three autocast rows). The fp8 rows use
+`fp8_products="all"`: at these CPU sizes the cost model would leave every
+product in bfloat16, and what is measured here is fp8's numerics on every
+product with dimensions >= 16 (the worst case), not its speed.
 
 * `regression`: y = x @ W_true, no noise (256 inputs, 32 outputs, batch 64,
   W from 0; ten times `--steps`): the loss can reach 0, so a format's
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-import contextlib
 import json
 import math
 import pathlib
@@ -146,7 +145,9 @@ def fp8_flop_share(closed: Any) -> float:
 def _loss_of(name: str, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
   if name == "float32":
     return loss_fn
-  return ols.autocast(loss_fn, BF16, fp8=name.split()[1] if name.startswith("fp8") else None)
+  if not name.startswith("fp8"):
+    return ols.autocast(loss_fn, BF16)
+  return ols.autocast(loss_fn, BF16, fp8=name.split()[1], fp8_products="all")
 
 
 def train(problem: Problem, name: str, steps: int) -> dict[str, Any]:
@@ -166,10 +167,8 @@ def train(problem: Problem, name: str, steps: int) -> dict[str, Any]:
     return params, state, value
 
   params, state = problem.params, tx.init(problem.params)
-  forced = fp8_product.every_product() if name.startswith("fp8") else contextlib.nullcontext()
-  with forced:  # the products are chosen when the step is traced
-    share = fp8_flop_share(jax.make_jaxpr(step)(params, state, problem.batch(0)))
-    compiled = jax.jit(step).lower(params, state, problem.batch(0)).compile()
+  share = fp8_flop_share(jax.make_jaxpr(step)(params, state, problem.batch(0)))
+  compiled = jax.jit(step).lower(params, state, problem.batch(0)).compile()
   finite = True
   for i in range(steps):
     params, state, value = compiled(params, state, problem.batch(i))
@@ -322,19 +321,18 @@ def measure_lm(
       loss = workloads._lm_loss(bf16_model)  # the model's own dtype: params cast in its modules
     else:
       recipe = None if name == "autocast bfloat16" else name.split()[1].rstrip(",")
-      loss = ols.autocast(workloads._lm_loss(float32_model), BF16, fp8=recipe)
+      products = "all" if name.endswith("every product") else "auto"
+      loss = ols.autocast(
+        workloads._lm_loss(float32_model), BF16, fp8=recipe, fp8_products=products
+      )
 
     def step(params: Any, state: Any, tokens: jax.Array, loss: Any = loss) -> Any:
       value, grads = jax.value_and_grad(loss)(params, tokens)
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state, value
 
-    forced = (
-      fp8_product.every_product() if name.endswith("every product") else contextlib.nullcontext()
-    )
-    with forced:
-      share = fp8_flop_share(jax.make_jaxpr(step)(params, state, tokens))
-      compiled = jax.jit(step).lower(params, state, tokens).compile()
+    share = fp8_flop_share(jax.make_jaxpr(step)(params, state, tokens))
+    compiled = jax.jit(step).lower(params, state, tokens).compile()
     steps[name] = compiled
     results[name] = {"fp8_flop_share": share, "f8_gemms": f8_gemms(compiled)}
   ms = _timed(

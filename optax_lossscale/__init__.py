@@ -2,6 +2,7 @@
 
 from optax_lossscale._src.autocast.api import autocast
 from optax_lossscale._src.autocast.interpreter import UnknownPrimitiveError
+from optax_lossscale._src.autocast.report import autocast_report
 from optax_lossscale._src.diagnostics.gradient_report import (
   GradientReport,
   LeafStats,
@@ -80,6 +81,7 @@ __all__ = (
   "all_finite",
   "apply_gradients",
   "autocast",
+  "autocast_report",
   "cast_to_full",
   "cast_to_half",
   "check_composition",

@@ -18,16 +18,18 @@ It runs when `fun` is traced: under `jit` a compiled step calls none of it.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping
 import functools
 from typing import Any
+import warnings
 
 import jax
 import numpy as np
 
 from optax_lossscale._src.autocast import fp8 as fp8_lib
 from optax_lossscale._src.autocast import interpreter as interp
-from optax_lossscale._src.autocast import loop
+from optax_lossscale._src.autocast import loop, report
 from optax_lossscale._src.autocast import rules as rules_lib
 from optax_lossscale._src.utils import policy as policy_lib
 
@@ -69,14 +71,17 @@ def make_context(
   rules: Mapping[str, str] | None,
   fp8: str | None = None,
   unknown_primitives: str = "warn",
+  fp8_products: Any = "auto",
 ) -> interp.Context:
-  """The interpreter's context: compute dtype, extra rules, fp8 recipe, unknown primitives."""
+  """The interpreter's context: dtype, extra rules, fp8 recipe and products, unknown primitives."""
   extra = _check_rules(rules)
   table = {**rules_lib.RULES, **{n: rules_lib.KINDS[k] for n, k in extra.items()}}
   # A primitive given a rule by the user is a region boundary: it may have no
   # JVP or lowering rule (a region is differentiated and compiled as a whole).
   fusible = set(rules_lib.FUSIBLE) - set(extra)
-  return interp.Context(np.dtype(compute_dtype), table, frozenset(fusible), fp8, unknown_primitives)
+  return interp.Context(
+    np.dtype(compute_dtype), table, frozenset(fusible), fp8, fp8_products, unknown_primitives
+  )
 
 
 def _is_array(x: Any) -> bool:
@@ -90,6 +95,7 @@ def autocast(
   rules: Mapping[str, str] | None = None,
   fp8: str | None = None,
   unknown_primitives: str = "warn",
+  fp8_products: str | Callable[[fp8_lib.Product], bool] = "auto",
 ) -> Callable[..., Any]:
   r"""Returns `fun` running in mixed precision, the dtype of every op decided on its jaxpr.
 
@@ -146,8 +152,8 @@ def autocast(
     policy: a `Policy`, or a string `get_policy` reads, e.g.
       `'p=f32,c=f16,o=f32'` (compute in float16, return float32).
     rules: extra or overriding entries of the table, primitive name to kind.
-    fp8: None, or 'tensorwise' or 'rowwise': every matrix product
-      (`dot_general`) big enough to profit runs on fp8 operands with float32
+    fp8: None, or 'tensorwise' or 'rowwise': the matrix products
+      (`dot_general`) `fp8_products` chooses run on fp8 operands with float32
       accumulation, forward (`float8_e4m3fn`) and backward (the gradient in
       `float8_e5m2`), each operand scaled by its current amax, one scale per
       tensor or one power-of-two scale per row (docs/guides/fp8_autocast.md).
@@ -156,6 +162,16 @@ def autocast(
       declares, its outputs as it returns them) and warns once per primitive
       per process, naming the `rules=` entry that keeps its 16-bit work in 16
       bits; 'error' raises `UnknownPrimitiveError` when `fun` is traced.
+      Where it chooses none, a warning says so, once per function.
+    fp8_products: which products run in fp8, of those whose operands are 16-
+      or 32-bit floats and whose dimensions are all at least 16: 'auto' (a
+      cost model of an H100 predicts fp8 faster, forward and backward), 'all'
+      (every one: to study fp8's numerics on a small model), or a callable
+      taking an `fp8.Product` (`name`: its module path from the jaxpr's name
+      stack, e.g. 'MLP/Dense_0'; `dims`: `(batch, m, n, k)`; `dtypes`;
+      `speedup`: the model's prediction) and returning whether it runs in fp8,
+      as torchao's `module_filter_fn`. Chosen when `fun` is traced;
+      `ols.autocast_report` shows each product's verdict and its reason.
 
   Returns:
     A function with `fun`'s signature.
@@ -193,9 +209,11 @@ def autocast(
     raise ValueError(
       f"unknown_primitives must be one of {interp.UNKNOWN_PRIMITIVES}; got {unknown_primitives!r}."
     )
+  fp8_lib.check_products(fp8_products)
   policy = policy_lib.get_policy(policy)
   _check_compute_dtype(np.dtype(policy.compute_dtype))
-  ctx = make_context(policy.compute_dtype, rules, fp8, unknown_primitives)
+  ctx = make_context(policy.compute_dtype, rules, fp8, unknown_primitives, fp8_products)
+  warned: list[bool] = []
 
   @functools.wraps(fun)
   def mixed(*args: Any, **kwargs: Any) -> Any:
@@ -225,8 +243,13 @@ def autocast(
     _check_compute_dtype(np.dtype(policy.compute_dtype))
     arrays = [leaves[i] for i in traced]
     closed, (out_shape, update_shape), promoted = _trace(flat_fun, arrays)
-    with interp.scope():
+    report.called()
+    with interp.scope(), report.recording() as rows:
       flat = loop.eval_jaxpr(ctx, closed.jaxpr, closed.consts, arrays)
+    quiet = warned or report.reporting() or any(r.fp8 for r in rows.values())
+    if fp8 is not None and not quiet:
+      warned.append(True)
+      _warn_no_fp8(fun, fp8, fp8_products, list(rows.values()))
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     outs, updates = flat[: len(out_leaves)], flat[len(out_leaves) :]
     if changed:
@@ -242,6 +265,22 @@ def autocast(
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
   return mixed
+
+
+def _warn_no_fp8(fun: Any, fp8: str, products: Any, rows: list[report.ProductRow]) -> None:
+  """Says that `fp8=` changed nothing in `fun`, and why, product by product in brief."""
+  reasons = collections.Counter(
+    "cost model below x1" if r.reason.startswith("cost model") else repr(r.reason) for r in rows
+  )
+  why = ", ".join(f"{n} {reason}" for reason, n in reasons.most_common()) or "none"
+  name = getattr(fun, "__qualname__", None) or type(fun).__name__
+  warnings.warn(
+    f"autocast(fp8={fp8!r}, fp8_products={products!r}): no matrix product of {name} runs in"
+    f" fp8; of its {len(rows)} products: {why}. It runs in the compute dtype."
+    " fp8_products='all' puts every product whose dimensions allow it (all at least"
+    f" {fp8_lib.MIN_DIMENSION}) in fp8; ols.autocast_report(f, *args) lists each product.",
+    stacklevel=3,
+  )
 
 
 def _trace(flat_fun: Callable[..., Any], arrays: list[Any]) -> tuple[Any, Any, list[bool]]:

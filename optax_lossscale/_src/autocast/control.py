@@ -36,9 +36,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._src.autocast import fp8 as fp8_lib
 from optax_lossscale._src.autocast import interpreter as interp
-from optax_lossscale._src.autocast import loop, regions
+from optax_lossscale._src.autocast import loop, regions, report
 from optax_lossscale._src.utils import compat
 
 Kind = interp.Kind
@@ -68,14 +67,17 @@ def jit(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   if interp.in_region() or interp.any_tangent(invals):  # (a tangent is followed inline)
     return loop.eval_closed(ctx, closed, invals, kinds)
   avals = tuple(compat.typeof(v) for v in invals)
-  key = (ctx, avals, tuple(kinds), fp8_lib.forced())
+  key = (ctx, avals, tuple(kinds))
   with _jit_lock:
     found = _jit_cache.setdefault(closed, {}).get(key)
   if found is None:
-    found = jax.make_jaxpr(lambda *a: loop.eval_closed(ctx, closed, a, kinds))(*invals)
+    with report.detached() as rows:  # the body's products, for every call that reuses it
+      body = jax.make_jaxpr(lambda *a: loop.eval_closed(ctx, closed, a, kinds))(*invals)
+    found = (body, rows)
     with _jit_lock:
       _jit_cache[closed][key] = found
-  return interp.bind(eqn, invals, jaxpr=found)
+  report.replay(found[1])
+  return interp.bind(eqn, invals, jaxpr=found[0])
 
 
 def remat(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:

@@ -1,22 +1,26 @@
 """fp8 matrix products with current scaling, forward and backward: `autocast(..., fp8=recipe)`.
 
-Each product `dot_general(lhs, rhs)` that `eligible` accepts runs as three
+Each product `dot_general(lhs, rhs)` that `decide` accepts runs as three
 fp8 products with float32 accumulation, torchao's recipes in JAX::
 
-  forward   out      = (q(lhs, e4m3) . q(rhs, e4m3))          * (1/s_lhs * 1/s_rhs)
-  backward  grad_lhs = (q(g, e5m2)   . q(rhs, e4m3))^T        * (1/s_g   * 1/s_rhs)
-            grad_rhs = (q(lhs, e4m3) . q(g, e5m2))^T          * (1/s_lhs * 1/s_g)
+  forward   out      = (q(lhs, e4m3) . q(rhs, e4m3))          * 1/s_lhs * 1/s_rhs
+  backward  grad_lhs = (q(g, e5m2)   . q(rhs, e4m3))^T        * 1/s_g   * 1/s_rhs
+            grad_rhs = (q(lhs, e4m3) . q(g, e5m2))^T          * 1/s_lhs * 1/s_g
 
   q(x, f) = convert(clamp(x * s, -max_f, max_f), f),  s = max_f / amax(x)   (float32)
 
 The scales are *current*: computed from the operand's own amax in the same
 step, so the product has no state. 'tensorwise' takes one scale per tensor
-(the forward's quantized operands are what the backward reads: the residuals
-are 1 byte per element); 'rowwise' one power-of-two scale per row or column
-along the dimensions each product does not contract (so the backward
-re-quantizes its operands along their other dimensions, from residuals kept
-in the compute dtype). A zero amax gives the scale 1; a non-finite amax
-(an inf or NaN operand) makes the product NaN, never a clipped finite value.
+; 'rowwise' one power-of-two scale per row or column along the dimensions
+each product does not contract. Either way each operand is quantized once:
+the backward reads the forward's fp8 operands (residuals of 1 byte per
+element). A rowwise operand's scales lie along the dimensions its backward
+product contracts, so they are moved onto the gradient before it is
+quantized (`g * 1/s_rhs`, per column of `g`: exact, powers of two), and the
+gradient gets row scales of its own. The two inverse scales are applied one
+after the other, never multiplied together (near 1e22 each, their product
+leaves float32). A zero amax gives the scale 1; a non-finite amax (an inf or
+NaN operand) makes the product NaN, never a clipped finite value.
 
 The lowered program is the one XLA's GPU GEMM rewriter turns into a cuBLASLt
 fp8 GEMM: a dot whose operands are fp8 (converts of clamped, scaled float32
@@ -28,11 +32,10 @@ the order of the float32 sums.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-import contextlib
+from collections.abc import Sequence
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -64,28 +67,38 @@ SCALING_BYTES = 8.0
 # tiny a tensor quantizes to zeros anyway.
 _SCALE_LIMIT = 2.0**120
 
-_forced = False
+# What `autocast(..., fp8_products=...)` accepts besides a callable.
+PRODUCTS = ("auto", "all")
 
 
-@contextlib.contextmanager
-def every_product() -> Iterator[None]:
-  """Within it, a product is eligible whatever `predicted_speedup` says (dimensions >= 16).
+class Product(NamedTuple):
+  """A matrix product as `autocast(..., fp8_products=fn)` shows it to `fn`.
 
-  For numerics on small models (every CPU study of the benchmarks): the
-  model of speed only ever leaves small products in the compute dtype. Acts
-  when the function is traced.
+  Attributes:
+    name: the module path of the equation, from the jaxpr's name stack (a Flax
+      module's path such as 'Transformer/block_0/mlp/up', a `jax.named_scope`);
+      '' where the function names nothing.
+    dims: `(batch, m, n, k)`, the sizes of one matrix product and the batch size.
+    dtypes: the operands' dtype names, as the function wrote them.
+    speedup: the cost model's prediction for it (`predicted_speedup`), forward
+      and backward.
   """
-  global _forced
-  before, _forced = _forced, True
-  try:
-    yield
-  finally:
-    _forced = before
+
+  name: str
+  dims: tuple[int, int, int, int]
+  dtypes: tuple[str, str]
+  speedup: float
 
 
-def forced() -> bool:
-  """Whether `every_product()` is on (part of what a cached interpretation depends on)."""
-  return _forced
+def check_products(products: Any) -> None:
+  """Raises unless `products` is 'auto', 'all' or a callable."""
+  if callable(products) or (isinstance(products, str) and products in PRODUCTS):
+    return
+  raise ValueError(
+    "fp8_products must be 'auto' (the cost model), 'all' (every product whose dimensions"
+    " allow it) or a callable taking an ols fp8 Product (name, dims, dtypes, speedup) and"
+    f" returning whether it runs in fp8; got {products!r}."
+  )
 
 
 def product_dims(
@@ -103,16 +116,16 @@ def predicted_speedup(m: int, n: int, k: int, recipe: str = "tensorwise") -> flo
 
   Each product is bound by its arithmetic or its memory traffic, whichever is
   slower; fp8 halves the operand bytes and doubles the rate, and current
-  scaling adds `SCALING_BYTES` per quantized element: the two operands and
-  the gradient once each ('tensorwise': the backward reuses the forward's fp8
-  operands), twice each ('rowwise': each product scales along its own axes).
-  The batch size cancels.
+  scaling adds `SCALING_BYTES` per quantized element: the two operands once
+  each (the backward reuses the forward's fp8 operands), the gradient once
+  ('tensorwise') or twice ('rowwise': once per backward product, each with
+  the saved operand's row scales moved onto it). The batch size cancels.
   """
   flops = 2.0 * m * n * k
   elements = m * k + k * n + m * n
   bf16 = max(flops / BF16_FLOPS, 2.0 * elements / MEMORY_BYTES_PER_S)
   fp8 = max(flops / FP8_FLOPS, (m * k + k * n + 2.0 * m * n) / MEMORY_BYTES_PER_S)
-  quantized = elements * (1 if recipe == "tensorwise" else 2)
+  quantized = elements + (0 if recipe == "tensorwise" else m * n)
   return 3 * bf16 / (3 * fp8 + SCALING_BYTES * quantized / MEMORY_BYTES_PER_S)
 
 
@@ -121,27 +134,52 @@ def _is_eligible_dtype(dtype: Any) -> bool:
   return dtype in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
 
 
-def eligible(
-  lhs_aval: Any, rhs_aval: Any, dimension_numbers: Any, recipe: str = "tensorwise"
-) -> bool:
-  """Whether `dot_general(lhs, rhs)` runs in fp8: floating operands, big enough to profit.
+def decide(
+  lhs_aval: Any,
+  rhs_aval: Any,
+  dimension_numbers: Any,
+  recipe: str = "tensorwise",
+  products: Any = "auto",
+  name: str = "",
+) -> tuple[bool, str]:
+  """Whether `dot_general(lhs, rhs)` runs in fp8, and why (the report's reason).
 
   Both operands 16- or 32-bit floating (an fp8 operand is the function's own
-  quantization, a complex or integer one is never fp8), every dimension of the
-  matrix product (m, n, k; batch dimensions are allowed) at least 16, and
-  `predicted_speedup` above 1 (within `every_product()`: whatever it is).
-  Convolutions are never fp8: they stay in the compute dtype.
+  quantization, a complex or integer one is never fp8) and every dimension of
+  the matrix product (m, n, k; batch dimensions are allowed) at least 16;
+  then `products` decides: 'auto', `predicted_speedup` above 1; 'all', yes;
+  a callable, what it returns for the product's `Product`. Convolutions are
+  never fp8: they stay in the compute dtype.
   """
   for aval in (lhs_aval, rhs_aval):
     dtype = getattr(aval, "dtype", None)
     if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-      return False
+      return False, "not an array"
     if not _is_eligible_dtype(dtype):
-      return False
-  _, m, n, k = product_dims(lhs_aval.shape, rhs_aval.shape, dimension_numbers)
+      return False, f"{np.dtype(dtype).name} operand"
+  dims = product_dims(lhs_aval.shape, rhs_aval.shape, dimension_numbers)
+  _, m, n, k = dims
   if min(m, n, k) < MIN_DIMENSION:
-    return False
-  return _forced or predicted_speedup(m, n, k, recipe) > 1.0
+    return False, f"below {MIN_DIMENSION}"
+  speedup = predicted_speedup(m, n, k, recipe)
+  if products == "all":
+    return True, "all"
+  if products == "auto":
+    return speedup > 1.0, f"cost model x{speedup:.2f}"
+  dtypes = (np.dtype(lhs_aval.dtype).name, np.dtype(rhs_aval.dtype).name)
+  chosen = bool(products(Product(name, dims, dtypes, speedup)))
+  return chosen, "chosen" if chosen else "filtered out"
+
+
+def eligible(
+  lhs_aval: Any,
+  rhs_aval: Any,
+  dimension_numbers: Any,
+  recipe: str = "tensorwise",
+  products: Any = "auto",
+) -> bool:
+  """Whether `dot_general(lhs, rhs)` runs in fp8 (`decide`'s verdict)."""
+  return decide(lhs_aval, rhs_aval, dimension_numbers, recipe, products)[0]
 
 
 # -- quantization.
@@ -197,19 +235,32 @@ def _as_output(
   return moved.reshape(moved.shape[: len(batch)] + (1,) * n_other + moved.shape[len(batch) :])
 
 
+def _rescale(out: jax.Array, scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
+  """`out * scale_a * scale_b`, never forming `scale_a * scale_b` where it leaves float32.
+
+  Two inverse scales near 2e19 (operands' maxima near 1e22) multiply to
+  infinity, though the product they rescale is finite. The exponents are
+  added as integers and split in halves, so each factor stays in range and
+  `out` is multiplied by each in turn (one elementwise pass after the GEMM).
+  """
+  ma, ea = jnp.frexp(scale_a)
+  mb, eb = jnp.frexp(scale_b)
+  e = ea + eb
+  half = e // 2
+  return out * jnp.ldexp(ma * mb, half) * jnp.ldexp(jnp.ones_like(ma), e - half)
+
+
 def scaled_dot(
   qa: jax.Array, inv_a: jax.Array, qb: jax.Array, inv_b: jax.Array, dimension_numbers: Any
 ) -> jax.Array:
   """`dot_general` of two quantized operands, float32 accumulation, rescaled: float32 output."""
   out = lax.dot_general(qa, qb, dimension_numbers, preferred_element_type=jnp.float32)
-  if inv_a.ndim == 0 and inv_b.ndim == 0:
-    return out * (inv_a * inv_b)  # one scalar: the GEMM's output scale on a GPU
   (ac, bc), (ab, bb) = dimension_numbers
   a_free = len(_free(qa.ndim, ac, ab))
   b_free = len(_free(qb.ndim, bc, bb))
   scale_a = _as_output(inv_a, ac, ab, True, b_free) if inv_a.ndim else inv_a
   scale_b = _as_output(inv_b, bc, bb, False, a_free) if inv_b.ndim else inv_b
-  return out * (scale_a * scale_b)
+  return _rescale(out, scale_a, scale_b)
 
 
 def _transposed(
@@ -233,6 +284,11 @@ def _transposed(
   x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
   unsorted = [*x_batch, *x_kept, *x_contract_sorted_by_y]
   return dims, tuple(int(i) for i in np.argsort(unsorted))
+
+
+def _relative(inverse: jax.Array) -> jax.Array:
+  """Power-of-two inverse scales over their largest (exact; at most 1)."""
+  return inverse / jnp.max(inverse)
 
 
 def _canonical(dimension_numbers: Any) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
@@ -261,33 +317,34 @@ def _product(
   # The backward products, JAX's transposes of this one.
   lhs_dims, lhs_axes = _transposed(dims, ndims[0], ndims[1], swap=False)
   rhs_dims, rhs_axes = _transposed(((rc, lc), (rb, lb)), ndims[1], ndims[0], swap=True)
-  narrow = compute_dtype if compute_dtype.itemsize < 4 else None
-
-  def keep(x: jax.Array) -> jax.Array:  # rowwise residuals: at most the compute dtype's width
-    return x if narrow is None or x.dtype.itemsize <= narrow.itemsize else x.astype(narrow)
+  n_lhs_free = len(_free(ndims[0], lc, lb))
+  n_rhs_free = len(_free(ndims[1], rc, rb))
 
   def forward(lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, Any]:
     ql, il = quantize(lhs, FORWARD, recipe, lc)
     qr, ir = quantize(rhs, FORWARD, recipe, rc)
     out = scaled_dot(ql, il, qr, ir, dims).astype(out_dtype)
-    if recipe == "tensorwise":  # the backward reads the same fp8 operands: 1 byte per element
-      return out, (ql, il, qr, ir)
-    return out, (keep(lhs), keep(rhs))
+    # The backward reads the same fp8 operands: 1 byte per element, quantized once.
+    return out, (ql, il, qr, ir)
 
   def backward(residuals: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    ql, il, qr, ir = residuals
     if recipe == "tensorwise":
-      ql, il, qr, ir = residuals
       qg, ig = quantize(g, GRADIENT, recipe, ())
       grad_lhs = scaled_dot(qg, ig, qr, ir, lhs_dims)
       grad_rhs = scaled_dot(qg, ig, ql, il, rhs_dims)
-    else:  # each backward product scales its operands along its own contracting dimensions
-      lhs, rhs = residuals
-      qg, ig = quantize(g, GRADIENT, recipe, lhs_dims[0][0])
-      qr, ir = quantize(rhs, FORWARD, recipe, lhs_dims[0][1])
-      grad_lhs = scaled_dot(qg, ig, qr, ir, lhs_dims)
-      qg, ig = quantize(g, GRADIENT, recipe, rhs_dims[0][0])
-      ql, il = quantize(lhs, FORWARD, recipe, rhs_dims[0][1])
-      grad_rhs = scaled_dot(qg, ig, ql, il, rhs_dims)
+    else:
+      # A saved operand's row scales lie along dimensions the backward product
+      # contracts; they move onto the gradient, exactly (powers of two, taken
+      # relative to their largest so the gradient keeps its range), and the
+      # gradient is scaled per row of its own: the forward's fp8 operands serve.
+      g32 = g.astype(jnp.float32)
+      qg, ig = quantize(g32 * _relative(_as_output(ir, rc, rb, False, n_lhs_free)), GRADIENT,
+                        recipe, lhs_dims[0][0])  # fmt: skip
+      grad_lhs = scaled_dot(qg, ig, qr, jnp.max(ir), lhs_dims)
+      qg, ig = quantize(g32 * _relative(_as_output(il, lc, lb, True, n_rhs_free)), GRADIENT,
+                        recipe, rhs_dims[0][0])  # fmt: skip
+      grad_rhs = scaled_dot(qg, ig, ql, jnp.max(il), rhs_dims)
     grad_lhs = jnp.transpose(grad_lhs, lhs_axes).astype(dtypes[0])
     grad_rhs = jnp.transpose(grad_rhs, rhs_axes).astype(dtypes[1])
     return grad_lhs, grad_rhs
@@ -316,15 +373,15 @@ def fp8_dot_general(
   `float8_e4m3fn`; each operand with its own current scale ('tensorwise' or
   'rowwise', see the module), every product accumulated in float32 and
   rescaled in float32. The output is `out_dtype`; each gradient has its
-  operand's dtype. 'rowwise' keeps its residuals in `compute_dtype` (when
-  narrower than an operand).
+  operand's dtype. The backward keeps the forward's fp8 operands and their
+  scales, whatever the compute dtype.
 
   Args:
     lhs: a 16- or 32-bit floating array.
     rhs: a 16- or 32-bit floating array.
     dimension_numbers: as `lax.dot_general`'s.
     recipe: 'tensorwise' or 'rowwise'.
-    compute_dtype: the policy's compute dtype.
+    compute_dtype: the policy's compute dtype (part of the cached configuration).
     out_dtype: the dtype of the result.
 
   Returns:

@@ -146,7 +146,7 @@ class Kind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Context:
-  """What the rules need: the compute dtype, the table of rules and the fp8 recipe.
+  """What the rules need: the compute dtype, the table of rules, the fp8 recipe and products.
 
   Compares and hashes by value, so that two `autocast` wrappers of one policy
   share the interpreter's caches.
@@ -156,12 +156,15 @@ class Context:
   rules: Mapping[str, Rule]
   fusible: frozenset[str] = frozenset()
   fp8: str | None = None
+  fp8_products: Any = "auto"  # 'auto', 'all' or a callable (compared by identity)
   unknown_primitives: str = "warn"
 
   @functools.cached_property
   def _key(self) -> tuple[Any, ...]:
     rules = tuple(sorted(self.rules.items()))
-    return (self.compute_dtype, rules, self.fusible, self.fp8, self.unknown_primitives)
+    return (
+      self.compute_dtype, rules, self.fusible, self.fp8, self.fp8_products, self.unknown_primitives
+    )
 
   def __hash__(self) -> int:
     return hash(self._key)

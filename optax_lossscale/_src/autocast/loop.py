@@ -14,7 +14,7 @@ from typing import Any
 import jax.extend as jex
 
 from optax_lossscale._src.autocast import interpreter as interp
-from optax_lossscale._src.autocast import regions
+from optax_lossscale._src.autocast import regions, report
 from optax_lossscale._src.utils import compat
 
 Kind = interp.Kind
@@ -63,7 +63,7 @@ def eval_jaxpr(
       else:
         eqn = step.eqn
         rule = interp.rule_of(ctx, eqn.primitive.name)
-        with compat.eqn_context(eqn):
+        with compat.eqn_context(eqn), report.entering(eqn):
           _write(env, plan, step, invals, rule(ctx, eqn, invals))
   return [read(v) for v in jaxpr.outvars]
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from optax_lossscale._src.autocast import fp8 as fp8_lib
 from optax_lossscale._src.autocast import interpreter as interp
+from optax_lossscale._src.autocast import report
 
 
 def out_dtype(eqn: Any) -> np.dtype:
@@ -59,28 +60,50 @@ def operand_dtype(eqn: Any, invals: list[Any], compute_dtype: np.dtype) -> np.dt
 def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`dot_general`, `conv_general_dilated`, `ragged_dot_general` on compute-dtype operands.
 
-  With `autocast(..., fp8=recipe)`, an eligible `dot_general` runs on fp8
-  operands instead (`fp8`).
+  With `autocast(..., fp8=recipe)`, a `dot_general` that `fp8.decide` chooses
+  runs on fp8 operands instead. Each product records what it did
+  (`report.record`).
   """
   c = ctx.compute_dtype
   tangent = interp.any_tangent(invals)
-  if ctx.fp8 is not None and eqn.primitive.name == "dot_general" and not tangent:
-    dims = eqn.params["dimension_numbers"]
-    if fp8_lib.eligible(*invals, dims, recipe=ctx.fp8):
+  name = eqn.primitive.name
+  dims: tuple[int, ...] = ()
+  reason = "fp8 off" if ctx.fp8 is None else "convolution"
+  if name == "dot_general":
+    dims = fp8_lib.product_dims(*(np.shape(v) for v in invals), eqn.params["dimension_numbers"])
+  if ctx.fp8 is not None and name == "dot_general" and not tangent:
+    dimension_numbers = eqn.params["dimension_numbers"]
+    chosen, reason = fp8_lib.decide(
+      *invals, dimension_numbers, ctx.fp8, ctx.fp8_products, report.current_name()
+    )
+    if chosen:
+      report.record(name, dims, (fp8_lib.FORWARD,) * 2, (fp8_lib.GRADIENT, fp8_lib.FORWARD),
+                    True, reason)  # fmt: skip
       out = fp8_lib.fp8_dot_general(
-        *invals, dimension_numbers=dims, recipe=ctx.fp8, compute_dtype=c, out_dtype=out_dtype(eqn)
+        *invals,
+        dimension_numbers=dimension_numbers,
+        recipe=ctx.fp8,
+        compute_dtype=c,
+        out_dtype=out_dtype(eqn),
       )
       return [out]
   floats = [v for v in invals if interp.is_float(v)]
-  if not floats or any(interp.is_complex(v) for v in floats):
+  if (
+    not floats
+    or any(interp.is_complex(v) for v in floats)
+    or any(interp.dtype_of(v).itemsize == 1 for v in floats)
+  ):
+    if not tangent:
+      written = tuple(interp.dtype_of(v) for v in invals)
+      report.record(name, dims, written, written, False, "as written")
     return interp.as_written(ctx, eqn, invals)
-  if any(interp.dtype_of(v).itemsize == 1 for v in floats):
-    return interp.as_written(ctx, eqn, invals)
+  c = operand_dtype(eqn, invals, c)
+  if not tangent:
+    report.record(name, dims, (c, c), (c, c), False, reason)
   params = dict(eqn.params)
   if isinstance(params.get("precision"), (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
     # An algorithm fixes the input types (XLA would cast ours back): drop it.
     params["precision"] = None
-  c = operand_dtype(eqn, invals, c)
   ops = [interp.compute_copy(v, c) if interp.is_float(v) else v for v in invals]
   result = out_dtype(eqn)
   if c.itemsize >= 4:
