@@ -24,12 +24,15 @@ code step, and rounded to nearest it would stay where it is (measured: the
 digits MLP then trains as with a larger learning rate; rounded
 stochastically, as float32 does). The random bits are a hash of each
 element's index, how many times the array was quantized (the count is kept
-with the codes) and a salt per array (`rounding.hash_bits`): no key, and the
-same state rounds alike, on any layout. A nonzero value
-never becomes zero: below the smallest code it takes the smallest code of
-its sign (a second moment rounded to zero would turn Adam's update into
-m / eps). The bound this gives, for every element x of a block with largest
-magnitude a (`ERROR_BOUNDS`):
+with the codes) and a salt per array (`_noise`): no key, and the same state
+rounds alike, on any layout. A nonzero value never becomes zero: below the
+smallest code it takes the smallest code of its sign (a second moment
+rounded to zero would turn Adam's update into m / eps), however far below
+its block's largest (float32's subnormals, under 2**-126 = 1.2e-38, are
+flushed to zero by XLA:CPU and GPUs, on the way in and out: a value under
+2**-125 may come back as zero). The bound this gives, for every element x
+of a block with largest magnitude a (`ERROR_BOUNDS`), a anywhere in
+float32's range:
 
   |dequantize(quantize(x)) - x| <= max(rel * |x|, floor * a)
 
@@ -39,7 +42,10 @@ magnitude a (`ERROR_BOUNDS`):
 
 (one step of the 3-bit mantissa, 2**-3 of a value at the bottom of its binade
 and 2**-4 at its top; the median error is about 2.5%), plus float32's own
-rounding (below 1e-6 relative). The largest magnitude of a block is stored exactly.
+rounding (below 1e-6 relative). The largest magnitude of a block is stored exactly
+('q8'; 'fp8' holds it as 448 times its scale, within float32's rounding), and
+no code exceeds the format's largest (e4m3's 448: a quotient one ulp above,
+as a product with a reciprocal gives, would round to 480, a NaN in e4m3).
 A block holding a NaN or an infinity comes back as NaN; a block whose largest
 magnitude is below 2**-100 (7.9e-31) comes back as zeros: its quotients would
 reach float32's subnormals, which XLA:CPU flushes to zero (a moment decaying
@@ -175,12 +181,6 @@ def _from_blocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return x.reshape(shape)
 
 
-def _largest(blocks: jax.Array) -> jax.Array:
-  """Each block's largest magnitude, NaN where the block holds a NaN or an infinity."""
-  largest = jnp.max(jnp.abs(blocks), axis=-1)  # NaN if any is (lax.max propagates it)
-  return jnp.where(jnp.isfinite(largest), largest, jnp.float32(jnp.nan))
-
-
 # Compiled: an eager `init` then runs one program per leaf shape, not each small op.
 @functools.partial(jax.jit, static_argnums=1)
 def quantize(x: jax.Array, fmt: str, count: Any = 0, salt: Any = 0) -> QuantizedArray:
@@ -191,36 +191,71 @@ def quantize(x: jax.Array, fmt: str, count: Any = 0, salt: Any = 0) -> Quantized
     raise ValueError(f"fmt must be one of {FORMATS}; got {fmt!r}.")
   x, sharding = _rows_unsharded(jnp.asarray(x))
   blocks = _to_blocks(x.astype(jnp.float32))
-  largest = _largest(blocks)
+  largest, signed = block_extremes(blocks)
+  q = encode(blocks, largest, signed, fmt, count, salt)
+  return q._replace(codes=_resharded(_from_blocks(q.codes, x.shape), sharding))
+
+
+def block_extremes(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each block's largest magnitude (NaN where it holds a NaN or an infinity) and whether
+  it holds a negative value, from one reduction (the smallest and the largest value)."""
+  low, high = jax.lax.reduce(
+    (blocks, blocks),
+    (np.float32(np.inf), np.float32(-np.inf)),
+    lambda a, b: (jax.lax.min(a[0], b[0]), jax.lax.max(a[1], b[1])),
+    (blocks.ndim - 1,),
+  )
+  largest = jnp.maximum(-low, high)  # NaN if any is (lax.min and max propagate it)
+  return jnp.where(jnp.isfinite(largest), largest, jnp.float32(jnp.nan)), low < 0
+
+
+def encode(
+  blocks: jax.Array, largest: jax.Array, signed: jax.Array, fmt: str, count: Any, salt: Any
+) -> QuantizedArray:
+  """The codes of `blocks` (float32, `(..., blocks, 256)`) given each block's `largest`
+  magnitude and whether it is `signed` (`block_extremes`), codes in that shape.
+
+  Elementwise but for the per-block numbers, so that under `jit` it fuses with
+  whatever computes `blocks` (an optimizer's update) without a float32 copy.
+  """
   # A block whose largest magnitude is below _NEGLIGIBLE is stored as zero: its
   # quotients would meet float32's subnormals, which a CPU may flush (x / 0).
   kept = largest >= _NEGLIGIBLE  # False for NaN
   largest = jnp.where(kept | jnp.isnan(largest), largest, 0.0)
-  safe = jnp.where(kept, largest, 1.0)[..., None]
+  safe = jnp.where(kept, largest, 1.0)
   count = jnp.asarray(count, jnp.uint32)
   noise = _noise(blocks, count, jnp.asarray(salt, jnp.uint32))
+  magnitude = jnp.abs(blocks)
+  # XLA:CPU divides by a broadcast value as a product with its reciprocal, which
+  # is subnormal (flushed to zero) for a divisor above 2**126: the quotient is
+  # taken as a product of normal numbers here, the largest pinned to the top
+  # (a product with a reciprocal can land one ulp above or below it), and a
+  # nonzero value that the product would flush still counts as nonzero.
+  shrink = jnp.where(safe > 2.0**64, np.float32(2.0**-64), np.float32(1.0))
+  top_value = _FP8_MAX if fmt == "fp8" else 1.0
+  per_block = (top_value / (safe * shrink))[..., None]
+  ratio = (magnitude * shrink[..., None]) * per_block
+  at_top = magnitude >= safe[..., None]
+  ratio = jnp.where(at_top, np.float32(top_value), jnp.minimum(ratio, top_value))
+  nonzero = (magnitude > 0) & kept[..., None]
   if fmt == "fp8":
-    scale = safe / _FP8_MAX
-    scaled = jnp.where(kept[..., None], blocks / scale, 0.0)
-    magnitude = jnp.abs(scaled)
-    bits = jax.lax.bitcast_convert_type(magnitude, jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(ratio, jnp.uint32)
     normal = jax.lax.bitcast_convert_type((bits + noise) >> _SHIFT << _SHIFT, jnp.float32)
     # e4m3's subnormals, below 2**-6, are spaced 2**-9: up by one with the same odds.
-    low = jnp.floor(magnitude * 2.0**9 + noise.astype(jnp.float32) * 2.0**-_SHIFT) * 2.0**-9
-    low = jnp.where(magnitude > 0, jnp.maximum(low, 2.0**-9), 0.0)  # never to zero
-    rounded = jnp.copysign(jnp.where(magnitude >= 2.0**-6, normal, low), scaled)
-    codes = rounded.astype(_FP8)  # exact: the value has e4m3's bits
-    scales = jnp.where(kept, scale[..., 0], largest)  # 0, or NaN for a non-finite block
-    return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales, count)
-  signed = jnp.min(blocks, axis=-1, keepdims=True) < 0  # (a reduction of bools is slower)
+    low = jnp.floor(ratio * 2.0**9 + noise.astype(jnp.float32) * 2.0**-_SHIFT) * 2.0**-9
+    low = jnp.where(nonzero, jnp.maximum(low, 2.0**-9), 0.0)  # never to zero
+    rounded = jnp.copysign(jnp.where(ratio >= 2.0**-6, normal, low), blocks)
+    codes = rounded.astype(_FP8)  # exact: the value has e4m3's bits (at most 448)
+    scales = jnp.where(kept, safe / _FP8_MAX, largest)  # 0, or NaN for a non-finite block
+    return QuantizedArray(codes, scales, count)
+  signed = signed[..., None]
   top = jnp.where(signed, _SIGNED, _UNSIGNED)
-  magnitude = jnp.abs(blocks)
-  bits = jax.lax.bitcast_convert_type(magnitude / safe, jnp.uint32)
+  bits = jax.lax.bitcast_convert_type(ratio, jnp.uint32)
   above = ((bits + noise) >> _SHIFT).astype(jnp.int32)
-  m = jnp.where((magnitude > 0) & kept[..., None], jnp.clip(above - (_ONE - top), 1, top), 0)
+  m = jnp.where(nonzero, jnp.clip(above - (_ONE - top), 1, top), 0)
   codes = jnp.where(signed & (blocks < 0), m | 0x80, m).astype(jnp.uint8)
   scales = jnp.where(signed[..., 0], -largest, largest)
-  return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales, count)
+  return QuantizedArray(codes, scales, count)
 
 
 def _noise(blocks: jax.Array, count: jax.Array, salt: jax.Array) -> jax.Array:
@@ -230,10 +265,20 @@ def _noise(blocks: jax.Array, count: jax.Array, salt: jax.Array) -> jax.Array:
   Not of the values themselves: a value one float32 ulp off (another program's
   fused multiply-add) then changes its rounding only where it crosses the
   threshold, as with rounding to nearest, instead of a third of the time.
+  The count and the salt are hashed into one word once (a scalar); each
+  element costs one round of the hash, `mix(index ^ word)`: for one index,
+  a uniformly random word gives uniformly random bits (`mix` is a bijection),
+  so the rounding is unbiased over counts.
   """
   sharding = rounding.explicit_sharding(blocks)
-  words = (rounding.mix(count ^ _SALT), salt)
-  return rounding.hash_bits(words, blocks.shape, sharding) >> (32 - _SHIFT)
+  word = rounding.mix(rounding.mix(count ^ _SALT) ^ salt)
+  iota = functools.partial(jax.lax.broadcasted_iota, jnp.uint32, blocks.shape)
+  if sharding is not None:
+    iota = functools.partial(iota, out_sharding=sharding)
+  index = jnp.zeros(blocks.shape, jnp.uint32)
+  for axis, size in enumerate(blocks.shape):
+    index = index * np.uint32(size) + iota(axis)
+  return rounding.mix(index ^ word) >> (32 - _SHIFT)
 
 
 @jax.jit

@@ -101,8 +101,10 @@ def state_dtypes(
   element's index, the leaf's path and a count kept with the codes. One
   round trip of an element `x` of a block whose largest magnitude is `a`
   errs by at most `max(2**-3 * |x|, floor * a)`, `floor` 1.9e-5 (signed
-  `'q8'`), 2.9e-10 (unsigned) or 4.4e-6 (`'fp8'`); a nonzero value never
-  becomes zero. As in
+  `'q8'`), 2.9e-10 (unsigned) or 4.4e-6 (`'fp8'`), for any `a` in float32's
+  range; a nonzero value never becomes zero (but a float32 subnormal, under
+  1.2e-38, which XLA:CPU and GPUs flush), and a block whose largest is under
+  2**-100 (7.9e-31) is stored as zeros. As in
   bitsandbytes and torchao, a leaf of fewer than `quantize_min_size`
   elements (biases, norms) stays as `inner` built it. The codes are shaped
   and sharded like the leaf; each row of blocks lies within the leaf's
