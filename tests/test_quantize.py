@@ -196,6 +196,86 @@ class LayoutTest(parameterized.TestCase):
       np.testing.assert_allclose(back[4], x[4], rtol=0.13, atol=1e-29 * 2e-5)
 
 
+# Every magnitude float32 holds as a normal number, 2**-126 (1.2e-38) to 3e38, in steps of
+# about 1.6% over 255 elements; with the same row in 2**-60 of its range, so that each
+# element also sits at many orders of magnitude below its block's largest.
+WIDE = np.geomspace(np.finfo(np.float32).tiny, 3e38, 255).astype(np.float32)
+
+
+class MagnitudeTest(parameterized.TestCase):
+  """Blocks anywhere in float32's range: each element within the stated bound, none NaN."""
+
+  @parameterized.parameters(*quantize.FORMATS)
+  def test_every_magnitude_from_float32s_smallest_normal_to_3e38(self, fmt):
+    rows = []
+    for top in np.geomspace(1e-30, 3e38, 40).astype(np.float32):  # the block's largest
+      for sign in (1.0, -1.0):  # an unsigned block ('q8') and a signed one
+        row = np.concatenate([[top], WIDE[WIDE < top][-255:]])
+        row = np.pad(row, (0, 256 - len(row)), constant_values=0.0).astype(np.float32)
+        row[1::2] *= sign
+        rows.append(row)
+    x = np.stack(rows)
+    kind = "fp8" if fmt == "fp8" else None
+    for count in range(4):
+      q = quantize_(jnp.asarray(x), fmt, count)
+      back = np.asarray(dequantize_(q), np.float64)
+      self.assertFalse(np.any(np.isnan(back)))
+      scales = np.asarray(q.scales)
+      for i, row in enumerate(x):
+        k = kind or ("q8 signed" if scales[i] < 0 else "q8 unsigned")
+        rel, floor = quantize.ERROR_BOUNDS[k]
+        a = np.abs(row).max()
+        bound = np.maximum(rel * np.abs(row), floor * a)
+        # A value that dequantizes below float32's smallest normal may come back as 0
+        # (XLA:CPU, as GPUs, flushes subnormal results): only values under 2**-125.
+        flushed = (back[i] == 0) & (row != 0) & (np.abs(row) < 2.0**-125)
+        error = np.where(flushed, 0.0, np.abs(back[i] - row))
+        self.assertTrue(np.all(error <= bound), (fmt, float(a), float(np.max(error / bound))))
+        # The largest magnitude comes back exactly (a 'q8' scale is it; 'fp8' holds it
+        # as 448 times its scale, with float32's rounding), zeros as zeros, and no
+        # nonzero element as zero (but those flushed).
+        if fmt == "q8":
+          self.assertEqual(np.abs(back[i]).max(), a)
+        else:
+          np.testing.assert_allclose(np.abs(back[i]).max(), a, rtol=2e-7)
+        np.testing.assert_array_equal(back[i] == 0, (row == 0) | flushed)
+        self.assertLess(flushed.sum(), 3)
+
+  def test_q8_block_above_2_to_the_126(self):
+    # XLA:CPU divides by a block's largest as a product with its reciprocal, which is
+    # subnormal (flushed to zero) above 2**126: every element came back as the
+    # smallest code, 1e38 as 2.9e28.
+    x = np.linspace(1e37, 1e38, 256, dtype=np.float32)
+    back = np.asarray(dequantize_(quantize_(jnp.asarray(x), "q8")))
+    self.assertEqual(back[-1], np.float32(1e38))
+    np.testing.assert_allclose(back, x, rtol=0.13)
+
+  def test_fp8_never_stores_a_nan(self):
+    # The issue's repro: with x / (a / 448) computed as a product with a reciprocal,
+    # a block of 5.6760276e7 scales to 448.00003, one ulp above e4m3's largest, and
+    # the stochastic rounding carried 2**-20 of those elements to 480, which
+    # float8_e4m3fn cannot hold (NaN): 5 of these 300 quantizations, before.
+    x = jnp.full((64, 256), np.float32(5.6760276e7))
+    count_nans = jax.jit(lambda c: jnp.isnan(quantize.quantize(x, "fp8", c).codes).sum())
+    self.assertEqual(sum(int(count_nans(c)) for c in range(300)), 0)
+    q = quantize.quantize(x, "fp8", 13)
+    np.testing.assert_allclose(np.asarray(quantize.dequantize(q)), np.asarray(x), rtol=1e-6)
+    tx = ols.state_dtypes(optax.trace(decay=0.0), "fp8", quantize_min_size=1)
+    state = tx.init(x)
+    for _ in range(2):
+      _, state = jax.jit(tx.update)(x, state)
+      self.assertFalse(bool(jnp.isnan(state.trace.codes.astype(jnp.float32)).any()))
+
+  def test_fp8_small_elements_of_a_huge_block_keep_the_smallest_code(self):
+    # 1e-3 in a block of largest 3e38 scales to 1.5e-39, a float32 subnormal, which
+    # XLA:CPU flushes to zero: it came back as 0. It takes e4m3's smallest code.
+    x = np.full(256, 1e-3, np.float32)
+    x[0] = 3e38
+    back = np.asarray(dequantize_(quantize_(jnp.asarray(x), "fp8")))
+    self.assertTrue(np.all(back[1:] > 0))
+    np.testing.assert_allclose(back[1:], 2**-9 * np.float32(3e38) / 448, rtol=1e-6)
+
+
 def params_of(dtype=jnp.float32):
   """One leaf large enough to quantize, one below the threshold."""
   return {

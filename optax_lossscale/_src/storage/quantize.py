@@ -24,12 +24,15 @@ code step, and rounded to nearest it would stay where it is (measured: the
 digits MLP then trains as with a larger learning rate; rounded
 stochastically, as float32 does). The random bits are a hash of each
 element's index, how many times the array was quantized (the count is kept
-with the codes) and a salt per array (`rounding.hash_bits`): no key, and the
-same state rounds alike, on any layout. A nonzero value
-never becomes zero: below the smallest code it takes the smallest code of
-its sign (a second moment rounded to zero would turn Adam's update into
-m / eps). The bound this gives, for every element x of a block with largest
-magnitude a (`ERROR_BOUNDS`):
+with the codes) and a salt per array (`_noise`): no key, and the same state
+rounds alike, on any layout. A nonzero value never becomes zero: below the
+smallest code it takes the smallest code of its sign (a second moment
+rounded to zero would turn Adam's update into m / eps), however far below
+its block's largest (float32's subnormals, under 2**-126 = 1.2e-38, are
+flushed to zero by XLA:CPU and GPUs, on the way in and out: a value under
+2**-125 may come back as zero). The bound this gives, for every element x
+of a block with largest magnitude a (`ERROR_BOUNDS`), a anywhere in
+float32's range:
 
   |dequantize(quantize(x)) - x| <= max(rel * |x|, floor * a)
 
@@ -39,7 +42,10 @@ magnitude a (`ERROR_BOUNDS`):
 
 (one step of the 3-bit mantissa, 2**-3 of a value at the bottom of its binade
 and 2**-4 at its top; the median error is about 2.5%), plus float32's own
-rounding (below 1e-6 relative). The largest magnitude of a block is stored exactly.
+rounding (below 1e-6 relative). The largest magnitude of a block is stored exactly
+('q8'; 'fp8' holds it as 448 times its scale, within float32's rounding), and
+no code exceeds the format's largest (e4m3's 448: a quotient one ulp above,
+as a product with a reciprocal gives, would round to 480, a NaN in e4m3).
 A block holding a NaN or an infinity comes back as NaN; a block whose largest
 magnitude is below 2**-100 (7.9e-31) comes back as zeros: its quotients would
 reach float32's subnormals, which XLA:CPU flushes to zero (a moment decaying
@@ -48,6 +54,7 @@ there, as Adam's of a weight no longer used, would have turned into x / 0).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
 import math
 from typing import Any, NamedTuple
@@ -175,10 +182,26 @@ def _from_blocks(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return x.reshape(shape)
 
 
-def _largest(blocks: jax.Array) -> jax.Array:
-  """Each block's largest magnitude, NaN where the block holds a NaN or an infinity."""
-  largest = jnp.max(jnp.abs(blocks), axis=-1)  # NaN if any is (lax.max propagates it)
-  return jnp.where(jnp.isfinite(largest), largest, jnp.float32(jnp.nan))
+class _View(NamedTuple):
+  """An array as the elementwise code sees it: the array itself when its rows are whole
+  blocks (then an update writing its codes in place reads and writes one shape, which
+  XLA needs to share the buffer), else padded into blocks."""
+
+  values: jax.Array
+  expand: Callable[[jax.Array], jax.Array]  # per block (..., blocks) -> values' shape
+  back: Callable[[jax.Array], jax.Array]  # values' shape -> the array's
+
+
+def _view(x: jax.Array) -> _View:
+  _, row, blocks = _layout(x.shape)
+  if blocks * BLOCK == row:
+    shape = tuple(x.shape)
+
+    def expand(v: jax.Array) -> jax.Array:
+      return jnp.broadcast_to(v[..., None], (*v.shape, BLOCK)).reshape(shape)
+
+    return _View(x, expand, lambda y: y)
+  return _View(_to_blocks(x), lambda v: v[..., None], lambda y: _from_blocks(y, x.shape))
 
 
 # Compiled: an eager `init` then runs one program per leaf shape, not each small op.
@@ -189,71 +212,163 @@ def quantize(x: jax.Array, fmt: str, count: Any = 0, salt: Any = 0) -> Quantized
   its two moments round independently); both key the rounding's random bits."""
   if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {FORMATS}; got {fmt!r}.")
+  ((largest, signed),) = block_extremes_of([x])
+  return encode_array(x, largest, signed, fmt, count, salt)
+
+
+def block_extremes_of(arrays: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+  """Each block's largest magnitude (NaN where it holds a NaN or an infinity) and whether
+  it holds a negative value, for several arrays of one shape.
+
+  One reduction (a variadic reduce of each array's smallest and largest
+  value): XLA:CPU takes it in one pass that reads what the arrays are
+  computed from once (Adam's gradient, for both moments).
+  """
+  blocks = [_to_blocks(_rows_unsharded(jnp.asarray(x))[0].astype(jnp.float32)) for x in arrays]
+  k = len(blocks)
+  found = jax.lax.reduce(
+    (*blocks, *blocks),
+    (*[np.float32(np.inf)] * k, *[np.float32(-np.inf)] * k),
+    lambda a, b: (
+      *(jax.lax.min(x, y) for x, y in zip(a[:k], b[:k], strict=True)),
+      *(jax.lax.max(x, y) for x, y in zip(a[k:], b[k:], strict=True)),
+    ),
+    (blocks[0].ndim - 1,),
+  )
+  out = []
+  for low, high in zip(found[:k], found[k:], strict=True):
+    largest = jnp.maximum(-low, high)  # NaN if any is (lax.min and max propagate it)
+    out.append((jnp.where(jnp.isfinite(largest), largest, jnp.float32(jnp.nan)), low < 0))
+  return out
+
+
+def encode_array(
+  x: jax.Array,
+  largest: jax.Array,
+  signed: jax.Array,
+  fmt: str,
+  count: Any,
+  salt: Any,
+  word: jax.Array | None = None,
+) -> QuantizedArray:
+  """`x` in the format `fmt`, given its blocks' extremes (`block_extremes_of`).
+
+  Elementwise but for the per-block numbers, so that under `jit` it fuses with
+  whatever computes `x` (an optimizer's update) without a float32 copy.
+  `word`: `noise_word(count, salt)`, if computed already.
+  """
   x, sharding = _rows_unsharded(jnp.asarray(x))
-  blocks = _to_blocks(x.astype(jnp.float32))
-  largest = _largest(blocks)
+  view = _view(x.astype(jnp.float32))
+  v, expand = view.values, view.expand
   # A block whose largest magnitude is below _NEGLIGIBLE is stored as zero: its
   # quotients would meet float32's subnormals, which a CPU may flush (x / 0).
   kept = largest >= _NEGLIGIBLE  # False for NaN
   largest = jnp.where(kept | jnp.isnan(largest), largest, 0.0)
-  safe = jnp.where(kept, largest, 1.0)[..., None]
   count = jnp.asarray(count, jnp.uint32)
-  noise = _noise(blocks, count, jnp.asarray(salt, jnp.uint32))
+  if word is None:
+    word = noise_word(count, salt)
+  noise = _noise(v, word)
+  magnitude = jnp.abs(v)
+  # Each element reads one number of its block (a load per element, which the
+  # elementwise work around it hides): the multiplier that takes the block's
+  # largest to the top, 448 for e4m3 and 256 for 'q8' (the top code's value times
+  # 2**8: the multiplier then stays a normal float32 for a largest up to 3.4e38,
+  # where 1 / largest is a subnormal, flushed to zero, above 2**126), 0 for a
+  # block stored as zeros, negative for a signed 'q8' block. A product with a
+  # reciprocal lands within an ulp of the top: pinned to it (above e4m3's 448,
+  # the rounding could reach 480, a NaN). A nonzero value that the product
+  # flushes to zero still counts as nonzero.
+  top_value = np.float32(_FP8_MAX if fmt == "fp8" else 2.0**8)
+  multiplier = jnp.where(kept, top_value / jnp.where(kept, largest, 1.0), 0.0)
+  if fmt == "q8":
+    multiplier = jnp.where(signed, -multiplier, multiplier)
+  per_block = expand(multiplier)
+  ratio = magnitude * jnp.abs(per_block)
+  near_top = np.nextafter(top_value, np.float32(0))
+  ratio = jnp.where(ratio >= near_top, top_value, ratio)
+  nonzero = (magnitude > 0) & (per_block != 0)
+  above = ((jax.lax.bitcast_convert_type(ratio, jnp.uint32) + noise) >> _SHIFT).astype(jnp.int32)
+  negative = v < 0
   if fmt == "fp8":
-    scale = safe / _FP8_MAX
-    scaled = jnp.where(kept[..., None], blocks / scale, 0.0)
-    magnitude = jnp.abs(scaled)
-    bits = jax.lax.bitcast_convert_type(magnitude, jnp.uint32)
-    normal = jax.lax.bitcast_convert_type((bits + noise) >> _SHIFT << _SHIFT, jnp.float32)
-    # e4m3's subnormals, below 2**-6, are spaced 2**-9: up by one with the same odds.
-    low = jnp.floor(magnitude * 2.0**9 + noise.astype(jnp.float32) * 2.0**-_SHIFT) * 2.0**-9
-    low = jnp.where(magnitude > 0, jnp.maximum(low, 2.0**-9), 0.0)  # never to zero
-    rounded = jnp.copysign(jnp.where(magnitude >= 2.0**-6, normal, low), scaled)
-    codes = rounded.astype(_FP8)  # exact: the value has e4m3's bits
-    scales = jnp.where(kept, scale[..., 0], largest)  # 0, or NaN for a non-finite block
-    return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales, count)
-  signed = jnp.min(blocks, axis=-1, keepdims=True) < 0  # (a reduction of bools is slower)
-  top = jnp.where(signed, _SIGNED, _UNSIGNED)
-  magnitude = jnp.abs(blocks)
-  bits = jax.lax.bitcast_convert_type(magnitude / safe, jnp.uint32)
-  above = ((bits + noise) >> _SHIFT).astype(jnp.int32)
-  m = jnp.where((magnitude > 0) & kept[..., None], jnp.clip(above - (_ONE - top), 1, top), 0)
-  codes = jnp.where(signed & (blocks < 0), m | 0x80, m).astype(jnp.uint8)
-  scales = jnp.where(signed[..., 0], -largest, largest)
-  return QuantizedArray(_resharded(_from_blocks(codes, x.shape), sharding), scales, count)
+    # e4m3's bits from float32's: the exponent rebiased (127 -> 7) above 2**-6;
+    # below, its subnormals, spaced 2**-9, up by one with the same odds.
+    normal = above - ((127 - 7) << 3)
+    low = jnp.floor(ratio * 2.0**9 + noise.astype(jnp.float32) * 2.0**-_SHIFT).astype(jnp.int32)
+    low = jnp.where(nonzero, jnp.maximum(low, 1), 0)  # never to zero
+    m = jnp.where(ratio >= 2.0**-6, normal, low)
+    bits = jnp.where(negative, m | 0x80, m).astype(jnp.uint8)
+    codes = jax.lax.bitcast_convert_type(view.back(bits), jnp.float8_e4m3fn)
+    scales = jnp.where(kept, largest / _FP8_MAX, largest)  # 0, or NaN for a non-finite block
+    return QuantizedArray(_resharded(codes, sharding), scales, count)
+  signed_here = per_block < 0
+  top = jnp.where(signed_here, _SIGNED, _UNSIGNED)
+  m = jnp.where(nonzero, jnp.clip(above - (_ONE + 8 * 8 - top), 1, top), 0)
+  codes = jnp.where(signed_here & negative, m | 0x80, m).astype(jnp.uint8)
+  scales = jnp.where(signed, -largest, largest)
+  return QuantizedArray(_resharded(view.back(codes), sharding), scales, count)
 
 
-def _noise(blocks: jax.Array, count: jax.Array, salt: jax.Array) -> jax.Array:
+def noise_word(count: Any, salt: Any) -> jax.Array:
+  """The one word (uint32) that keys the rounding of the `count`-th quantization of the
+  array salted `salt`."""
+  count = jnp.asarray(count, jnp.uint32)
+  return rounding.mix(rounding.mix(count ^ _SALT) ^ jnp.asarray(salt, jnp.uint32))
+
+
+def _noise(values: jax.Array, word: jax.Array) -> jax.Array:
   """Uniform bits below the 3 mantissa bits kept, for rounding stochastically: a hash of
   each element's index, the count of quantizations and the array's salt.
 
   Not of the values themselves: a value one float32 ulp off (another program's
   fused multiply-add) then changes its rounding only where it crosses the
   threshold, as with rounding to nearest, instead of a third of the time.
+  The count and the salt are hashed into one word once (`noise_word`); each
+  element costs one round of the hash, `mix(index ^ word)`: for one index,
+  a uniformly random word gives uniformly random bits (`mix` is a bijection),
+  so the rounding is unbiased over counts. The index is the row-major one of
+  the blocks, the array's own where its rows are whole blocks.
   """
-  sharding = rounding.explicit_sharding(blocks)
-  words = (rounding.mix(count ^ _SALT), salt)
-  return rounding.hash_bits(words, blocks.shape, sharding) >> (32 - _SHIFT)
+  sharding = rounding.explicit_sharding(values)
+  iota = functools.partial(jax.lax.broadcasted_iota, jnp.uint32, values.shape)
+  if sharding is not None:
+    iota = functools.partial(iota, out_sharding=sharding)
+  index = jnp.zeros(values.shape, jnp.uint32)
+  for axis, size in enumerate(values.shape):
+    index = index * np.uint32(size) + iota(axis)
+  return rounding.mix(index ^ word) >> (32 - _SHIFT)
 
 
 @jax.jit
 def dequantize(q: QuantizedArray) -> jax.Array:
   """The float32 array `q` stands for."""
-  shape = tuple(q.codes.shape)
-  scale = q.scales[..., None]
-  codes, sharding = _rows_unsharded(q.codes)
-  codes = _to_blocks(codes)
-  if np.dtype(q.codes.dtype) == _FP8:
-    return _resharded(_from_blocks(codes.astype(jnp.float32) * scale, shape), sharding)
-  codes = codes.astype(jnp.int32)
-  signed = jnp.signbit(scale)
-  m = jnp.where(signed, codes & 0x7F, codes)
+  return decode(q.codes, q.scales)
+
+
+def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
+  """The float32 array of a `QuantizedArray`'s `codes` and `scales`, elementwise but for
+  one load of the block's scale per element."""
+  codes, sharding = _rows_unsharded(codes)
+  view = _view(codes)
+  scale = view.expand(scales)
+  if np.dtype(codes.dtype) == _FP8:
+    # float32's bits from e4m3's (cheaper than XLA:CPU's conversion): the exponent
+    # rebiased (7 -> 127), or a subnormal's mantissa times 2**-9.
+    c = jax.lax.bitcast_convert_type(view.values, jnp.uint8).astype(jnp.int32)
+    e, m = (c >> 3) & 0xF, c & 0x7
+    normal = jax.lax.bitcast_convert_type(
+      ((e + (127 - 7)) << 23 | m << 20).astype(jnp.uint32), jnp.float32
+    )
+    value = jnp.where(e > 0, normal, m.astype(jnp.float32) * 2.0**-9) * scale
+    value = jnp.where(c >= 0x80, -value, value)
+    return _resharded(view.back(value), sharding)
+  c = view.values.astype(jnp.int32)
+  signed = scale < 0
+  m = jnp.where(signed, c & 0x7F, c)
   bits = (m + (_ONE - jnp.where(signed, _SIGNED, _UNSIGNED))) << _SHIFT
   value = jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
-  value = jnp.where(m > 0, value, 0.0)
-  value = value * jnp.abs(scale)
-  negative = signed & (codes >= 0x80)
-  return _resharded(_from_blocks(jnp.where(negative, -value, value), shape), sharding)
+  value = jnp.where(m > 0, value, 0.0) * jnp.abs(scale)
+  value = jnp.where(signed & (c >= 0x80), -value, value)
+  return _resharded(view.back(value), sharding)
 
 
 def _resharded(x: jax.Array, sharding: Any) -> jax.Array:

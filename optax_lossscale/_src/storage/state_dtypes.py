@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_lossscale._src.step import conditional_step
 from optax_lossscale._src.storage import quantize
 from optax_lossscale._src.utils import dtypes as dtypes_lib
 
@@ -101,8 +102,10 @@ def state_dtypes(
   element's index, the leaf's path and a count kept with the codes. One
   round trip of an element `x` of a block whose largest magnitude is `a`
   errs by at most `max(2**-3 * |x|, floor * a)`, `floor` 1.9e-5 (signed
-  `'q8'`), 2.9e-10 (unsigned) or 4.4e-6 (`'fp8'`); a nonzero value never
-  becomes zero. As in
+  `'q8'`), 2.9e-10 (unsigned) or 4.4e-6 (`'fp8'`), for any `a` in float32's
+  range; a nonzero value never becomes zero (but a float32 subnormal, under
+  1.2e-38, which XLA:CPU and GPUs flush), and a block whose largest is under
+  2**-100 (7.9e-31) is stored as zeros. As in
   bitsandbytes and torchao, a leaf of fewer than `quantize_min_size`
   elements (biases, norms) stays as `inner` built it. The codes are shaped
   and sharded like the leaf; each row of blocks lies within the leaf's
@@ -190,7 +193,7 @@ def state_dtypes(
   def to_compute(state: Any) -> Any:
     def one(path: tuple[Any, ...], leaf: Any) -> Any:
       if quantize.is_quantized(leaf):
-        return leaf.dequantize(jnp.float32)
+        return quantize.decode(leaf.codes, leaf.scales)
       dtype = storage(path, leaf)
       if dtype is None or isinstance(dtype, str):
         return leaf
@@ -198,10 +201,25 @@ def state_dtypes(
 
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=quantize.is_quantized)
 
-  def to_storage(state: Any, stored: Any = None) -> Any:
-    """`state` in its storage; a quantized leaf counts on from the one `stored` held."""
-    flat = jax.tree_util.tree_flatten_with_path(stored, is_leaf=quantize.is_quantized)[0]
-    counts = {jax.tree_util.keystr(k): x.count + 1 for k, x in flat if quantize.is_quantized(x)}
+  def quantized(state: Any) -> dict[str, quantize.QuantizedArray]:
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=quantize.is_quantized)[0]
+    return {jax.tree_util.keystr(k): x for k, x in flat if quantize.is_quantized(x)}
+
+  def salt(name: str) -> np.uint32:
+    return np.uint32(zlib.crc32(name.encode()))  # stable across processes, unlike hash()
+
+  def to_storage(
+    state: Any, stored: Any = None, extremes: Any = None, counts: Any = None, words: Any = None
+  ) -> Any:
+    """`state` in its storage; a quantized leaf counts on from the one `stored` held.
+
+    `extremes` (`block_extremes`), `counts` (the new counts) and `words`
+    (`quantize.noise_word`) by path, for the quantized leaves, if taken already.
+    """
+    if counts is None:
+      counts = {name: x.count + 1 for name, x in quantized(stored).items()}
+    if extremes is None:
+      extremes = block_extremes(state)
 
     def one(path: tuple[Any, ...], leaf: Any) -> Any:
       dtype = storage(path, leaf)
@@ -209,11 +227,29 @@ def state_dtypes(
         return leaf
       if isinstance(dtype, str):
         name = jax.tree_util.keystr(path)
-        salt = zlib.crc32(name.encode())  # stable across processes, unlike hash()
-        return quantize.quantize(leaf, dtype, counts.get(name, 0), np.uint32(salt))
+        count = counts.get(name, 0)
+        if name not in extremes:  # a leaf quantized alone (init's, eagerly)
+          return quantize.quantize(leaf, dtype, count, salt(name))
+        largest, signed = extremes[name]
+        word = None if words is None else words[name]
+        return quantize.encode_array(leaf, largest, signed, dtype, count, salt(name), word)
       return jnp.asarray(leaf).astype(dtype)
 
     return jax.tree_util.tree_map_with_path(one, state)
+
+  def block_extremes(state: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """Each quantized leaf's block extremes, by path: one reduction over the blocks of
+    all the leaves of the same layout (Adam's two moments of a parameter), which
+    XLA:CPU computes in one pass reading their inputs (the gradient) once."""
+    groups: dict[tuple[int, ...], list[tuple[str, jax.Array]]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+      if isinstance(storage(path, leaf), str):
+        groups.setdefault(tuple(np.shape(leaf)), []).append((jax.tree_util.keystr(path), leaf))
+    out = {}
+    for members in groups.values():
+      found = quantize.block_extremes_of([leaf for _, leaf in members])
+      out.update(zip([name for name, _ in members], found, strict=True))
+    return out
 
   def init_fn(params: optax.Params) -> Any:
     state = inner.init(params)
@@ -229,10 +265,34 @@ def state_dtypes(
         )
     return to_storage(state)
 
-  def update_fn(
-    updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra_args: Any
-  ) -> tuple[optax.Updates, Any]:
-    updates, new_state = inner.update(updates, to_compute(state), params, **extra_args)
-    return updates, to_storage(new_state, state)
+  def step(
+    grads: Any, state: Any, params: Any, extra_args: dict[str, Any], apply_to_params: bool
+  ) -> tuple[Any, Any]:
+    updates, new_state = inner.update(grads, to_compute(state), params, **extra_args)
+    stored = quantized(state)
+    if not apply_to_params:
+      return updates, to_storage(new_state, state)
+    new_params = optax.apply_updates(params, updates)
+    if not stored:
+      return new_params, to_storage(new_state, state)
+    # The fused step (`ols.apply_gradients`), arranged for XLA:CPU. It fuses no
+    # multiple outputs: each full-size output is a fusion of its own that re-reads
+    # its inputs (the gradient and the old codes). The block extremes of both
+    # moments are one reduction, and the new params are written from the
+    # float32 moments; the codes are computed after an optimization barrier
+    # that those two feed, by the inner update run again on the gradient that
+    # came through it (the old codes do not: a donated buffer through a barrier
+    # is copied whole), so that every reader of the old codes comes before the
+    # codes are written over them.
+    counts = {name: x.count + 1 for name, x in stored.items()}
+    words = {name: quantize.noise_word(counts[name], salt(name)) for name in stored}
+    extremes = block_extremes(new_state)
+    grads, extremes, words, _ = jax.lax.optimization_barrier(
+      (grads, extremes, words, new_params)
+    )
+    _, new_state = inner.update(grads, to_compute(state), params, **extra_args)
+    return new_params, to_storage(new_state, state, extremes, counts, words)
+
+  update_fn = conditional_step.attach(step, {"kind": "state_dtypes", "inner": inner})
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
