@@ -287,9 +287,7 @@ def state_dtypes(
     counts = {name: x.count + 1 for name, x in stored.items()}
     words = {name: quantize.noise_word(counts[name], salt(name)) for name in stored}
     extremes = block_extremes(new_state)
-    grads, extremes, words, _ = jax.lax.optimization_barrier(
-      (grads, extremes, words, new_params)
-    )
+    grads, extremes, words, _ = jax.lax.optimization_barrier((grads, extremes, words, new_params))
     _, new_state = inner.update(grads, to_compute(state), params, **extra_args)
     return new_params, to_storage(new_state, state, extremes, counts, words)
 
