@@ -401,6 +401,60 @@ class StateDtypesTest(parameterized.TestCase):
     self.assertAlmostEqual(per_param["remainder q8"], 6 + 2 / 64, delta=1e-4)
     self.assertAlmostEqual(per_param["rounding q8"], 4 + 2 / 64, delta=1e-4)
 
+  @parameterized.parameters(*quantize.FORMATS)
+  def test_apply_gradients_equals_update_then_apply_updates(self, fmt):
+    # The fused step runs the inner update twice (the codes after a barrier): it must
+    # give what tx.update and optax.apply_updates give, bit for bit.
+    tx = ols.state_dtypes(optax.adam(1e-2), {"mu": fmt, "nu": fmt})
+    fused = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+
+    @jax.jit
+    def plain(g, s, p):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    params = ref_params = params_of()
+    state = ref_state = tx.init(params)
+    for i in range(4):
+      params, state = fused(grads_at(i), state, params)
+      ref_params, ref_state = plain(grads_at(i), ref_state, ref_params)
+      chex.assert_trees_all_equal(params, ref_params)
+      chex.assert_trees_all_equal(state, ref_state)
+
+  @parameterized.parameters(*quantize.FORMATS)
+  def test_compiled_update_bytes_on_cpu(self, fmt):
+    # What XLA:CPU's compiled program of one Adam update reads and writes (its cost
+    # analysis), against the minimum: read the gradient, params and state, write
+    # params and state. 5.14 (q8) and 3.51 (fp8) times the minimum before: the
+    # dequantized moments recomputed in four fusions each, float32 block
+    # temporaries, the old codes copied twice. Now one reduction for both moments'
+    # block extremes, then the params and each moment's codes: the gradient read
+    # four times, the old codes copied once (XLA:CPU copies a donated uint8 buffer
+    # that two fusions read), 36.5 bytes a parameter.
+    if jax.default_backend() != "cpu":
+      self.skipTest("XLA:CPU's fusion and cost analysis; XLA:GPU fuses multiple outputs")
+    tx = ols.state_dtypes(optax.adam(1e-3), {"mu": fmt, "nu": fmt})
+    params = {"w": jnp.ones((1024, 1024))}
+    state = tx.init(params)
+    step = jax.jit(lambda p, s, g: ols.apply_gradients(tx, g, s, p), donate_argnums=(0, 1))
+    compiled = step.lower(params, state, params).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))
+    minimum = 2 * nbytes((params, state)) + nbytes(params)
+    ratio = cost["bytes accessed"] / minimum
+    self.assertLess(ratio, 2.3)
+    self.assertGreater(ratio, 1.9)  # four reads of the gradient at least: not vacuous
+    # No full-size float32 temporary: the only float32 array of the parameter's size
+    # written is the new parameter.
+    entry = compiled.as_text().split("ENTRY")[1]
+    written = [
+      line
+      for line in entry.splitlines()
+      if "= f32[1024,1024]" in line and " parameter(" not in line
+    ]
+    self.assertLen(written, 1)
+
   def test_formats_are_refused_where_they_do_not_belong(self):
     with self.assertRaisesRegex(ValueError, r"dtypes\['mu'\] must be .* or a format 'q8'"):
       ols.state_dtypes(optax.adam(1e-3), {"mu": "q4"})

@@ -216,6 +216,9 @@ def quantize(x: jax.Array, fmt: str, count: Any = 0, salt: Any = 0) -> Quantized
   return encode_array(x, largest, signed, fmt, count, salt)
 
 
+# Compiled, as `quantize` (under an outer `jit`, inlined): eagerly, op by op, an array
+# sharded over Explicit mesh axes could not be hashed.
+@jax.jit
 def block_extremes_of(arrays: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
   """Each block's largest magnitude (NaN where it holds a NaN or an infinity) and whether
   it holds a negative value, for several arrays of one shape.
@@ -242,6 +245,7 @@ def block_extremes_of(arrays: list[jax.Array]) -> list[tuple[jax.Array, jax.Arra
   return out
 
 
+@functools.partial(jax.jit, static_argnums=3)  # compiled, as `block_extremes_of`
 def encode_array(
   x: jax.Array,
   largest: jax.Array,
@@ -344,6 +348,7 @@ def dequantize(q: QuantizedArray) -> jax.Array:
   return decode(q.codes, q.scales)
 
 
+@jax.jit  # compiled, as `block_extremes_of`
 def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
   """The float32 array of a `QuantizedArray`'s `codes` and `scales`, elementwise but for
   one load of the block's scale per element."""

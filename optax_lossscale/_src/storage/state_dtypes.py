@@ -109,7 +109,11 @@ def state_dtypes(
   bitsandbytes and torchao, a leaf of fewer than `quantize_min_size`
   elements (biases, norms) stays as `inner` built it. The codes are shaped
   and sharded like the leaf; each row of blocks lies within the leaf's
-  trailing axes.
+  trailing axes. Stepped by `ols.apply_gradients` (or inside a wrapper, or
+  a Flax `TrainState`), quantized state takes a fused step arranged for
+  XLA:CPU, which fuses no multiple outputs (one Adam update moves 36.5
+  bytes a parameter, against 82.5 unfused, and 40 for float32 Adam); the
+  result is that of `tx.update` and `optax.apply_updates`, bit for bit.
 
   Unlike optax's `scale_by_adam(mu_dtype=...)`, which sets the first moment
   of the Adam family only, this works for any optax optimizer and any state
@@ -287,9 +291,7 @@ def state_dtypes(
     counts = {name: x.count + 1 for name, x in stored.items()}
     words = {name: quantize.noise_word(counts[name], salt(name)) for name in stored}
     extremes = block_extremes(new_state)
-    grads, extremes, words, _ = jax.lax.optimization_barrier(
-      (grads, extremes, words, new_params)
-    )
+    grads, extremes, words, _ = jax.lax.optimization_barrier((grads, extremes, words, new_params))
     _, new_state = inner.update(grads, to_compute(state), params, **extra_args)
     return new_params, to_storage(new_state, state, extremes, counts, words)
 
