@@ -46,17 +46,12 @@ def _on_cpu(x: Any, on_cpu: Any) -> Any:
 
 
 def _materialize_bits(x: jax.Array) -> jax.Array:
-  kind = _unsigned(x.dtype)
-
-  def or_bits(a: jax.Array, b: jax.Array) -> jax.Array:
-    # On the bits, in x's own dtype: an output of another dtype would be converted in a
-    # loop (a copy) of its own.
-    both = jax.lax.bitcast_convert_type(a, kind) | jax.lax.bitcast_convert_type(b, kind)
-    return jax.lax.bitcast_convert_type(both, x.dtype)
-
-  zero = jax.lax.bitcast_convert_type(np.zeros((), kind), x.dtype)
-  stacked = jnp.stack([x, jnp.full_like(x, zero)])
-  return jax.lax.reduce(stacked, zero, or_bits, (0,))
+  # On the bits: XLA:CPU computes some 16-bit floating operations in float32, which
+  # would make a NaN's payload canonical.
+  bits = jax.lax.bitcast_convert_type(x, _unsigned(x.dtype))
+  stacked = jnp.stack([bits, jnp.zeros_like(bits)])
+  out = jax.lax.reduce(stacked, np.zeros((), bits.dtype), jax.lax.bitwise_or, (0,))
+  return jax.lax.bitcast_convert_type(out, x.dtype)
 
 
 def materialized(x: jax.Array) -> jax.Array:
