@@ -36,10 +36,13 @@ parameters and the optimizer state, and the step time relative to the
 ``bfloat16`` step, as a median of interleaved rounds (one process: each
 round runs every variant for the same number of steps, in a shuffled order).
 
-Two more measurements, with no training: the optimizer update alone on 1M
-bfloat16 parameters, each variant's median time over bare Adam's and over
-``master weights``'s (`update_cost`; it includes the stochastic rounding of
-before, threefry bits and the inner step in bfloat16, for comparison), and
+Two more measurements, with no training: the optimizer update alone on 4M
+parameters (4 matrices of 1024 x 1024), each variant's median time over bare
+Adam's and over ``master weights``'s, and the bytes its compiled program
+accesses against the minimum (`update_cost`; it includes the stochastic
+rounding of before, threefry bits and the inner step in bfloat16, for
+comparison; the params and the state are donated in the order of the
+outputs), and
 the bytes per parameter of each variant on the benchmark LM and on a GPT-2
 small-shaped model (124M parameters), counted from the shapes of the
 parameters and of `tx.init`'s state (`bytes_table`).
@@ -327,6 +330,7 @@ def update_variants(seed: int = 0) -> dict[str, Variant]:
   """The optimizer-update variants timed by `update_cost`: bare Adam, then each way."""
   adam = lambda: optax.adam(1e-3)
   q8 = lambda: ols.state_dtypes(adam(), {"mu": "q8", "nu": "q8"})
+  fp8 = lambda: ols.state_dtypes(adam(), {"mu": "fp8", "nu": "fp8"})
   return {
     "Adam, float32 parameters": _optax(adam(), jnp.float32),
     "Adam, bfloat16 parameters": _optax(adam(), BF16),
@@ -339,46 +343,99 @@ def update_variants(seed: int = 0) -> dict[str, Variant]:
     ),
     "stochastic_rounding, q8 moments": _optax(ols.stochastic_rounding(q8(), key=seed), BF16),
     "Adam, float32 parameters, q8 moments": _optax(q8(), jnp.float32),
+    "Adam, float32 parameters, fp8 moments": _optax(fp8(), jnp.float32),
   }
 
 
-def update_cost(quick: bool = False, rounds: int = 15, steps: int = 5) -> dict[str, Any]:
-  """The update alone on ~1M parameters: median ms, and the median per-round ratio to bare
-  Adam on float32 parameters and to `master_weights`, variants interleaved."""
-  shapes = [(64, 256)] if quick else [(1024, 768), (256, 1024)]
+def _nbytes(tree: Any) -> int:
+  return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def compiled_update(variant: Variant, params: Any, grads: Any) -> tuple[Any, Any, Any]:
+  """`variant`'s update compiled as `(params, state, grads) -> (params, state)`, donating
+  the params and the state; `(compiled, params, state)` in the variant's dtype.
+
+  The donated arguments come in the order of the outputs: JAX pairs each donated
+  buffer with the first unclaimed output of its shape and dtype, in argument
+  order, so donating `(state, params)` for `(params, state)` hands the new
+  parameters mu's buffer (and mu nu's, nu the parameters'), and XLA copies each
+  whole (float32 Adam then moves 72 bytes a parameter instead of 40).
+  """
+  cast = lambda t: jax.tree.map(lambda x: jnp.array(x, variant.dtype, copy=True), t)
+  p = cast(params)
+  state = variant.init(p)
+  step = jax.jit(lambda p, s, g: variant.step(g, s, p), donate_argnums=(0, 1))
+  return step.lower(p, state, cast(grads)).compile(), p, state
+
+
+def bytes_accessed(compiled: Any) -> float:
+  """XLA's count of the bytes a compiled program reads and writes."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list on older jax
+  return float(cost["bytes accessed"])
+
+
+def update_cost(
+  quick: bool = False,
+  rounds: int = 15,
+  steps: int = 5,
+  shapes: list[tuple[int, int]] | None = None,
+  names: list[str] | None = None,
+) -> dict[str, Any]:
+  """The update alone (4 matrices of 1024 x 1024 unless `shapes`): median ms, the median
+  per-round ratio to bare Adam on float32 parameters and to `master_weights`, variants
+  interleaved; and per parameter the bytes held (params and state), the bytes the
+  compiled program accesses (XLA's cost analysis) and the minimum it must (read the
+  gradient, the params and the state, write the params and the state, as allocated).
+
+  `names` picks some of `update_variants` (bare Adam and `master_weights` always run).
+  """
+  if shapes is None:
+    shapes = [(64, 256)] if quick else [(1024, 1024)] * 4
   if quick:
     rounds, steps = 1, 1
+  chosen = update_variants()
+  if names is not None:
+    keep = {"Adam, float32 parameters", "master_weights", *names}
+    chosen = {name: v for name, v in chosen.items() if name in keep}
   params = {f"w{i}": jnp.linspace(-1.0, 1.0, np.prod(s)).reshape(s) for i, s in enumerate(shapes)}
   grads = jax.tree.map(lambda p: jnp.cos(p * 37.0) * 1e-2, params)
-  runs = {}
-  for name, variant in update_variants().items():
-    cast = lambda t, d=variant.dtype: jax.tree.map(lambda x: jnp.array(x, d, copy=True), t)
-    step = jax.jit(variant.step, donate_argnums=(1, 2))
-    p = cast(params)
-    runs[name] = [step, cast(grads), variant.init(p), p]
+  n = int(sum(np.prod(s) for s in shapes))
+  runs, sizes = {}, {}
+  for name, variant in chosen.items():
+    step, p, state = compiled_update(variant, params, grads)
+    g = jax.tree.map(lambda x, d=variant.dtype: jnp.array(x, d, copy=True), grads)
+    held = _nbytes((p, state))
+    sizes[name] = {
+      "held": held / n,
+      "accessed": bytes_accessed(step) / n,
+      "minimum": (2 * held + _nbytes(g)) / n,
+    }
+    runs[name] = [step, g, p, state]
   order = list(runs)
   times: dict[str, list[float]] = {name: [] for name in runs}
   rng = np.random.default_rng(0)
-  for _ in range(rounds + 1):  # the first round compiles and is dropped
+  for _ in range(rounds + 1):  # the first round warms up and is dropped
     rng.shuffle(order)
     for name in order:
-      step, g, state, p = runs[name]
+      step, g, p, state = runs[name]
       start = time.perf_counter()
       for _ in range(steps):
-        p, state = step(g, state, p)
+        p, state = step(p, state, g)
       jax.block_until_ready(p)
       times[name].append((time.perf_counter() - start) / steps)
-      runs[name][2:] = [state, p]
+      runs[name][2:] = [p, state]
   times = {name: np.asarray(t[1:] if len(t) > 1 else t) for name, t in times.items()}
   bare, master = times["Adam, float32 parameters"], times["master_weights"]
   return {
-    "params": int(sum(np.prod(s) for s in shapes)),
+    "params": n,
     "rounds": rounds,
     "results": {
       name: {
         "ms": float(np.median(t) * 1e3),
         "vs_adam": float(np.median(t / bare)),
         "vs_master_weights": float(np.median(t / master)),
+        **{f"{k}_bytes_per_param": v for k, v in sizes[name].items()},
       }
       for name, t in times.items()
     },
@@ -445,7 +502,11 @@ def bytes_table(quick: bool = False) -> dict[str, Any]:
 
 
 def measure(
-  quick: bool = False, seeds: int = 3, rounds: int = 7, only: set[str] | None = None
+  quick: bool = False,
+  seeds: int = 3,
+  rounds: int = 7,
+  only: set[str] | None = None,
+  update_side: int = 1024,
 ) -> dict[str, Any]:
   """Trains every variant on every problem and seed, then times the first seed's steps;
   then `update_cost` and `bytes_table`."""
@@ -509,7 +570,7 @@ def measure(
   }
   out = {"meta": meta, "workloads": report}
   if only is None or "update" in only:
-    out["update"] = update_cost(quick=quick)
+    out["update"] = update_cost(quick=quick, shapes=None if quick else [(update_side,) * 2] * 4)
   if only is None or "bytes" in only:
     out["bytes"] = bytes_table(quick=quick)
   if only is None or "bits" in only:
@@ -538,14 +599,19 @@ def markdown(report: dict[str, Any]) -> str:
     u = report["update"]
     lines += [
       f"**Optimizer update alone**: {u['params'] / 1e6:.2f}M parameters, median of"
-      f" {u['rounds']} interleaved rounds.",
+      f" {u['rounds']} interleaved rounds; bytes per parameter held (params and state),"
+      " accessed by the compiled program (XLA's cost analysis) and the minimum (read"
+      " the gradient, params and state, write params and state).",
       "",
-      "| variant | ms | vs Adam (float32) | vs master_weights |",
-      "| --- | --- | --- | --- |",
+      "| variant | held B/param | accessed B/param | minimum | ratio | ms | vs Adam (float32)"
+      " | vs master_weights |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in u["results"].items():
+      held, acc, low = (r[f"{k}_bytes_per_param"] for k in ("held", "accessed", "minimum"))
       lines.append(
-        f"| {name} | {r['ms']:.2f} | x{r['vs_adam']:.2f} | x{r['vs_master_weights']:.2f} |"
+        f"| {name} | {held:.2f} | {acc:.1f} | {low:.1f} | x{acc / low:.2f} | {r['ms']:.2f}"
+        f" | x{r['vs_adam']:.2f} | x{r['vs_master_weights']:.2f} |"
       )
     lines.append("")
   if "bits" in report:
@@ -583,10 +649,18 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument(
     "--only", default=None, help=f"a comma-separated subset of: {', '.join(PARTS)}"
   )
+  parser.add_argument(
+    "--update-side",
+    type=int,
+    default=1024,
+    help="the update part's 4 matrices are this square (1024: 4M parameters, 2048: 16M)",
+  )
   args = parser.parse_args(argv)
   start = time.perf_counter()
   only = None if args.only is None else set(args.only.split(","))
-  report = measure(quick=args.quick, seeds=args.seeds, rounds=args.rounds, only=only)
+  report = measure(
+    quick=args.quick, seeds=args.seeds, rounds=args.rounds, only=only, update_side=args.update_side
+  )
   table = markdown(report)
   print(table)
   print(f"total {time.perf_counter() - start:.0f} s")
