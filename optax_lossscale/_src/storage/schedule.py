@@ -72,6 +72,13 @@ def materialized(x: jax.Array) -> jax.Array:
   return _on_cpu(x, _materialize_bits)
 
 
+def _explicitly_sharded(x: Any) -> bool:
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  mesh = getattr(sharding, "mesh", None)
+  return explicit is not None and explicit in getattr(mesh, "axis_types", ())
+
+
 def _zero_bits_of(dep: list[jax.Array]) -> jax.Array:
   """A uint32 zero that XLA cannot compute before every array of `dep` is written."""
   zero = jnp.zeros((), jnp.uint32)
@@ -99,7 +106,13 @@ def after(tree: Any, dep: list[jax.Array]) -> Any:
     >>> out['mu'].tolist(), int(out['count'])
     ([1.0, -0.0], 3)
   """
-  dep = [jnp.asarray(d) for d in dep if jnp.size(d) and np.dtype(jnp.result_type(d)).itemsize <= 2]
+  # (An array sharded over Explicit mesh axes cannot be sliced to one element: left out,
+  # its loops keep XLA's copies.)
+  dep = [
+    jnp.asarray(d)
+    for d in dep
+    if jnp.size(d) and np.dtype(jnp.result_type(d)).itemsize <= 2 and not _explicitly_sharded(d)
+  ]
   if not dep:
     return tree
 
