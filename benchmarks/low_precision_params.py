@@ -460,7 +460,9 @@ def bits_cost(quick: bool = False, rounds: int = 15) -> dict[str, float]:
     "unsafe_rbg (jax.random.bits)": lambda k: jax.random.bits(
       jax.random.key(k[0], impl="unsafe_rbg"), shape
     ),
-    "hash, two rounds (rounding.hash_bits, shipped)": lambda k: rounding.hash_bits(k, shape),
+    "hash, one round of a pre-mixed word (rounding.hash_bits, shipped)": lambda k: (
+      rounding.hash_bits(k, shape)
+    ),
     "hash, one round": lambda k: _one_round_hash(k, shape),
   }
   key = jax.random.key_data(jax.random.key(0))

@@ -2,7 +2,8 @@
 
 Every applied step is compared bit for bit with a hand-written master loop
 (float32 master, the inner optimizer on it with float32-promoted gradients,
-param = master.astype(param dtype)), eagerly, under `jit` and in `lax.scan`.
+param = the master rounded to the param's dtype: to nearest, a bfloat16 tie
+away from zero), eagerly, under `jit` and in `lax.scan`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,19 @@ grads_of = jax.jit(jax.grad(loss_fn))
 scaled_grads_of = jax.jit(jax.grad(lambda p, x, s: loss_fn(p, x) * s))
 
 
+def written(master, dtype):
+  """The parameter of `dtype` that master_weights writes from a float32 `master`: the
+  cast (to nearest even), but a bfloat16 tie (low 16 bits 0x8000) away from zero."""
+  master = jnp.asarray(master, jnp.float32)
+  nearest = master.astype(dtype)
+  if np.dtype(dtype) != np.dtype(BF16):
+    return nearest
+  bits = jax.lax.bitcast_convert_type(master, jnp.uint32)
+  tie = ((bits & 0xFFFF) == 0x8000) & ~jnp.isnan(master)
+  away = jax.lax.bitcast_convert_type(((bits >> 16) + 1).astype(jnp.uint16), BF16)
+  return jnp.where(tie, away, nearest)
+
+
 def reference_run(inner, params, batches, jit=True, scale=None):
   """The hand-written master loop; `None` in `batches` is a skipped step.
 
@@ -85,7 +99,7 @@ def reference_run(inner, params, batches, jit=True, scale=None):
     if x is not None:
       grads = grads_of(params, x) if scale is None else scaled_grads_of(params, x, scale)
       master, state = step(grads, state, master)
-      params = {k: v.astype(narrow[k]) if k in narrow else v for k, v in master.items()}
+      params = {k: written(v, narrow[k]) if k in narrow else v for k, v in master.items()}
     history.append((params, master, state))
   return history
 
@@ -170,7 +184,7 @@ class EquivalenceTest(parameterized.TestCase):
       grads = jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(loss_fn)(params, x))
       updates, state = inner.update(grads, state, master)
       master = optax.apply_updates(master, updates)
-      params = {k: v.astype(params[k].dtype) for k, v in master.items()}
+      params = {k: written(v, params[k].dtype) for k, v in master.items()}
       return (params, master, state), None
 
     params = make_params()
@@ -212,8 +226,9 @@ class EquivalenceTest(parameterized.TestCase):
   def test_in_the_jaxpr_only_the_write_is_16_bit(self, fused):
     # The claim on the program, not on its outputs: the inner optimizer runs on
     # the float32 master (every equation of the step computes in float32), and
-    # the one equation per parameter with a 16-bit result is the write, a
-    # rounding of the master (convert_element_type) to the parameter's dtype.
+    # the one equation per parameter with a 16-bit result is the write: the
+    # master's bits rounded to bfloat16 (ties away from zero, a bitcast of the
+    # uint16 result), or cast to float16 (convert_element_type).
     params = {"a": jnp.ones((4, 3), BF16), "b": jnp.ones(5, jnp.float16)}
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
     tx = ols.master_weights(INNERS["clip_adamw_schedule"]())
@@ -228,7 +243,7 @@ class EquivalenceTest(parameterized.TestCase):
     self.assertCountEqual(
       half,
       [
-        ("convert_element_type", "float32", "bfloat16", (4, 3)),
+        ("bitcast_convert_type", "uint16", "bfloat16", (4, 3)),
         ("convert_element_type", "float32", "float16", (5,)),
       ],
     )
@@ -380,7 +395,7 @@ class CompositionTest(parameterized.TestCase):
     expected_master = optax.apply_updates(master, updates)
     rtol = 1e-6 if where == "inside" else 1e-4
     chex.assert_trees_all_close(master_of(state)["w"], expected_master["w"], rtol=rtol)
-    assert_bits_equal(params["w"], master_of(state)["w"].astype(BF16))
+    assert_bits_equal(params["w"], written(master_of(state)["w"], BF16))
     self.assertFalse(bool(jnp.any(params["w"] == start["w"])))
 
   def test_multi_transform_steps_each_partition(self):
@@ -537,10 +552,15 @@ def _bits32(x):
   return np.asarray(x).view(np.uint32)
 
 
+SPECIAL_HIGH_HALVES = np.array(
+  [0, 0x40, 0x80, 0x3F80, 0x3F81, 0x7F7F, 0x7F80, 0x7FC0, 0x7FFF], np.uint32
+)
+
+
 class RemainderTest(parameterized.TestCase):
   """store='remainder': the float32 master as the bfloat16 parameter and 16 more bits."""
 
-  def test_split_then_join_gives_the_master_back_over_bit_patterns(self):
+  def test_split_then_join_gives_every_master_back_over_bit_patterns(self):
     from optax_lossscale._src.storage.rounding import join_bfloat16 as join
     from optax_lossscale._src.storage.rounding import split_bfloat16 as split
 
@@ -549,46 +569,57 @@ class RemainderTest(parameterized.TestCase):
     patterns = np.concatenate(
       [
         (every[:, None] << 16 | chosen[None, :]).ravel(),  # every high half
-        # every low half under zero, the smallest normal, 1.0 and its neighbour, the
-        # largest finite bfloat16, infinity, a NaN, and their negatives
-        (np.array([0, 0x80, 0x3F80, 0x3F81, 0x7F7F, 0x7F80, 0x7FC0], np.uint32)[:, None] << 16)
-        .__or__(every[None, :])
-        .ravel(),
+        # every low half under zero, a subnormal, the smallest normal, 1.0 and its
+        # neighbour, the largest finite bfloat16, infinity, NaNs, and their negatives
+        (SPECIAL_HIGH_HALVES[:, None] << 16 | every[None, :]).ravel(),
       ]
     )
     patterns = np.concatenate([patterns, patterns | np.uint32(0x80000000)])
     master = patterns.view(np.float32)
     param, remainder = jax.jit(split)(jnp.asarray(master))
     self.assertEqual((param.dtype, remainder.dtype), (BF16, jnp.int16))
-    # The parameter is the master rounded to nearest (ml_dtypes rounds independently).
-    with np.errstate(invalid="ignore"):  # (NaNs)
-      expected = master.astype(ml_dtypes.bfloat16)
     nan = np.isnan(master)
-    # NaN payloads are the backend's (a GPU's canonical NaN is not ml_dtypes'): NaN stays NaN.
-    self.assertTrue(np.all(np.isnan(np.asarray(param, np.float32)[nan])))
-    np.testing.assert_array_equal(
-      np.asarray(param).view(np.uint16)[~nan], expected.view(np.uint16)[~nan]
-    )
-    back = _bits32(jax.jit(join)(param, remainder))
-    self.assertTrue(np.all(np.isnan(back.view(np.float32)[nan])))
-    # Every other master comes back bit for bit but for one case: exactly halfway
-    # above an even bfloat16 value, rounded down to it, kept one ulp lower.
+    # The parameter is the master rounded to nearest (ml_dtypes rounds independently)
+    # but for a tie, which goes away from zero (ml_dtypes: to even).
+    with np.errstate(invalid="ignore", over="ignore"):
+      nearest = master.astype(ml_dtypes.bfloat16).view(np.uint16)
     high, low = patterns >> 16, patterns & 0xFFFF
-    tie_down = (low == 0x8000) & (high % 2 == 0) & ~nan
-    np.testing.assert_array_equal(back[~nan & ~tie_down], patterns[~nan & ~tie_down])
-    np.testing.assert_array_equal(back[tie_down], patterns[tie_down] - 1)
-    self.assertGreater(int(tie_down.sum()), 2**15)  # the even high halves under 0x8000
-    # ... which still rounds to the parameter written.
-    relowered = back[tie_down].view(np.float32).astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(relowered.view(np.uint16), expected[tie_down].view(np.uint16))
+    tie = (low == 0x8000) & ~nan
+    expected = np.where(tie, high + 1, nearest).astype(np.uint16)
+    got = np.asarray(param).view(np.uint16)
+    np.testing.assert_array_equal(got[~nan], expected[~nan])
+    self.assertGreater(int(np.sum(got[tie] != nearest[tie])), 2**15)  # half the ties differ
+    # Past the largest bfloat16 by half an ulp and more: infinity, as the cast gives.
+    past = ((high & 0x7FFF) == 0x7F7F) & tie
+    self.assertTrue(np.all(np.isinf(np.asarray(param, np.float32)[past])))
+    # A NaN stays a NaN of its sign (its payload may not carry into infinity or the sign).
+    as_f32 = np.asarray(param, np.float32)
+    self.assertTrue(np.all(np.isnan(as_f32[nan])))
+    np.testing.assert_array_equal(np.signbit(as_f32[nan]), np.signbit(master[nan]))
+    # The remainder is the master's low half; every master but a NaN comes back bit for
+    # bit: zeros, subnormals, infinities, finite masters whose parameter is infinite.
+    np.testing.assert_array_equal(np.asarray(remainder).view(np.uint16), low.astype(np.uint16))
+    back = _bits32(jax.jit(join)(param, remainder))
+    np.testing.assert_array_equal(back[~nan], patterns[~nan])
+    self.assertTrue(np.all(np.isnan(back.view(np.float32)[nan])))
 
-  def test_no_16_bits_hold_every_master_of_an_even_parameter(self):
-    # Why the one exception: 2**16 + 1 float32 values round to an even bfloat16 value
-    # (both halfway points go to it), 2**16 - 1 to an odd one.
-    for param_bits, count in ((0x3F80, 2**16 + 1), (0x3F81, 2**16 - 1)):
+  def test_every_bfloat16_value_owns_two_to_the_sixteen_masters(self):
+    # What makes the remainder exact: rounded ties away from zero, each nonzero finite
+    # parameter (a zero: the 2**15 masters of its sign below half its ulp) is
+    # the rounding of exactly 2**16 masters, as many as 16 bits tell apart; to nearest
+    # even, an even one would have 2**16 + 1 (both halfway points) and an odd one
+    # 2**16 - 1.
+    from optax_lossscale._src.storage.rounding import round_half_away_bfloat16
+
+    for param_bits in (0x3F80, 0x3F81, 0x0001, 0x8001, 0x7F7F):
       around = np.arange((param_bits << 16) - 2**16, (param_bits << 16) + 2**16, dtype=np.uint32)
-      rounded = around.view(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-      self.assertEqual(int(np.sum(rounded == param_bits)), count)
+      ours = np.asarray(jax.jit(round_half_away_bfloat16)(around.view(np.float32)))
+      self.assertEqual(int(np.sum(ours.view(np.uint16) == param_bits)), 2**16, hex(param_bits))
+      with np.errstate(over="ignore"):
+        nearest = around.view(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+      self.assertEqual(
+        int(np.sum(nearest == param_bits)), 2**16 + (1 if param_bits % 2 == 0 else -1)
+      )
 
   @parameterized.parameters(sorted(INNERS))
   def test_200_steps_write_the_parameters_of_the_full_copy_bit_for_bit(self, inner):
@@ -661,3 +692,87 @@ class RemainderTest(parameterized.TestCase):
     remainder = ols.master_weights(optax.sgd(0.1), store="remainder").init(params)
     self.assertEqual(bytes_of(copy.master), 4 * 128)
     self.assertEqual(bytes_of(remainder.master), 2 * 128)
+
+
+class RemainderTrainingTest(parameterized.TestCase):
+  """store='remainder' in a real run: the gradients come from the parameters written,
+  so one master held differently would change the whole trajectory after it."""
+
+  VOCAB, EMBED, HIDDEN = 64, 48, 384  # 100k parameters
+
+  def _model(self):
+    keys = jax.random.split(jax.random.key(3), 3)
+    init = lambda k, shape: (jax.random.normal(k, shape) / np.sqrt(shape[0])).astype(BF16)
+    params = {
+      "embed": init(keys[0], (self.VOCAB, self.EMBED)),
+      "w1": init(keys[1], (2 * self.EMBED, self.HIDDEN)),
+      "w2": init(keys[2], (self.HIDDEN, self.VOCAB)),
+      "b1": jnp.zeros(self.HIDDEN, jnp.float32),  # float32: kept as it is
+    }
+
+    def loss(params, tokens):
+      # The next character from the two before it, computing in bfloat16.
+      e = params["embed"][tokens[:, :-1]].reshape(tokens.shape[0], -1, 2 * self.EMBED)
+      h = jnp.tanh(e @ params["w1"] + params["b1"].astype(BF16))
+      logits = (h @ params["w2"]).astype(jnp.float32)
+      return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 2::2]))
+
+    def batch(step):
+      # A Markov chain: each character is followed by one of 4 (a learnable language).
+      rng = np.random.default_rng(step)
+      succ = np.random.default_rng(0).integers(0, self.VOCAB, (self.VOCAB, 4))
+      tokens = np.empty((16, 33), np.int32)
+      tokens[:, 0] = rng.integers(0, self.VOCAB, 16)
+      for t in range(1, 33):
+        tokens[:, t] = succ[tokens[:, t - 1], rng.integers(0, 4, 16)]
+      return jnp.asarray(tokens)
+
+    return params, jax.jit(jax.value_and_grad(loss)), batch
+
+  def test_a_char_lm_trains_bit_for_bit_as_the_full_copy_and_the_master_loop(self):
+    from optax_lossscale._src.storage.rounding import join_bfloat16 as join
+
+    params, value_and_grad, batch = self._model()
+    inner = lambda: optax.adamw(3e-3, weight_decay=1e-2)
+    copy, split_tx = ols.master_weights(inner()), ols.master_weights(inner(), store="remainder")
+    step = lambda tx: jax.jit(
+      lambda g, s, p: ols.apply_gradients(tx, g, s, p), donate_argnums=(1, 2)
+    )
+    step_copy, step_split = step(copy), step(split_tx)
+    p_copy, s_copy = jax.tree.map(jnp.copy, params), copy.init(params)
+    p_split, s_split = jax.tree.map(jnp.copy, params), split_tx.init(params)
+    # The hand-written loop: a float32 master, the parameters written from it (written()).
+    ref_opt = inner()
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    ref_state, p_ref = ref_opt.init(master), params
+
+    @jax.jit
+    def ref_step(grads, state, master):
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+      updates, state = ref_opt.update(grads, state, master)
+      return optax.apply_updates(master, updates), state
+
+    narrow = ("embed", "w1", "w2")
+    ties_above_even, losses = 0, []
+    for i in range(40):
+      tokens = batch(i)
+      loss, g_copy = value_and_grad(p_copy, tokens)
+      _, g_split = value_and_grad(p_split, tokens)
+      _, g_ref = value_and_grad(p_ref, tokens)
+      losses.append(float(loss))
+      p_copy, s_copy = step_copy(g_copy, s_copy, p_copy)
+      p_split, s_split = step_split(g_split, s_split, p_split)
+      master, ref_state = ref_step(g_ref, ref_state, master)
+      p_ref = {k: written(v, BF16) if k in narrow else v for k, v in master.items()}
+      for k in narrow:
+        bits = _bits32(master[k])
+        # A master rounding to nearest even would have written another parameter.
+        ties_above_even += int(np.sum(((bits & 0xFFFF) == 0x8000) & ((bits >> 16) % 2 == 0)))
+        np.testing.assert_array_equal(_bits32(join(p_split[k], s_split.master[k])), bits)
+        np.testing.assert_array_equal(_bits32(s_copy.master[k]), bits)
+      assert_bits_equal(p_split, p_ref)
+      assert_bits_equal(p_copy, p_ref)
+    # The run met the masters the old split could not hold (one in 2**17 element-steps),
+    # and learned.
+    self.assertGreater(ties_above_even, 0)
+    self.assertLess(np.mean(losses[-5:]), np.mean(losses[:5]) - 0.3)

@@ -314,7 +314,9 @@ class StochasticRoundingTest(parameterized.TestCase):
   def test_in_the_jaxpr_the_step_is_float32_then_rounded(self):
     # The claim on the program: the inner optimizer computes in float32 (no
     # equation does 16-bit arithmetic: every 16-bit result is a state leaf stored
-    # back, converted from float32, or the rounding, a bitcast of uint16 bits);
+    # back, converted from float32, a view of bits (bitcast_convert_type), the
+    # rounding's choice between two such views (select_n) or a one-element read
+    # of a new parameter (slice, reshape: the CPU's write order, storage/schedule.py));
     # for each 16-bit parameter, one float32 `add` of the parameter, converted up,
     # and its update, then one rounding of its bits to the parameter's dtype.
     params = {"h": jnp.ones(5, jnp.float16), "w": jnp.ones((4, 3), BF16)}
@@ -329,10 +331,11 @@ class StochasticRoundingTest(parameterized.TestCase):
       for v in e.outvars
       if getattr(v.aval, "dtype", None) in (BF16, F16)
     ]
-    self.assertCountEqual(
-      half,
-      [("convert_element_type", "float32")] * 4  # Adam's mu and nu of each parameter
-      + [("bitcast_convert_type", "uint16")] * 2,
+    # (jit, cond: calls, whose own equations are listed too)
+    moves = {"bitcast_convert_type", "select_n", "slice", "reshape", "cond", "jit", "pjit"}
+    self.assertEqual({name for name, _ in half} - moves, {"convert_element_type"})
+    self.assertCountEqual(  # Adam's mu and nu of each parameter
+      [h for h in half if h[0] == "convert_element_type"], [("convert_element_type", "float32")] * 4
     )
     for name, p in params.items():
       sums = [
@@ -352,7 +355,7 @@ class StochasticRoundingTest(parameterized.TestCase):
       rounded = [
         e
         for e in eqns
-        if e.primitive.name == "bitcast_convert_type"
+        if e.primitive.name == "select_n"
         and e.outvars[0].aval.dtype == p.dtype
         and e.outvars[0].aval.shape == p.shape
       ]

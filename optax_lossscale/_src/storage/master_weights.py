@@ -9,7 +9,8 @@ float32 master copy of every 16-bit parameter and steps that copy:
            inner_state = inner.init(master)        (other leaves: the param itself)
   update:  updates, inner_state = inner.update(g.astype(float32), inner_state, master)
            master = master + updates               (optax.apply_updates, in float32)
-           p = master.astype(p.dtype)              (round to nearest)
+           p = master rounded to p.dtype           (to nearest; a bfloat16 tie away from
+                                                    zero, so that 16 bits complete it)
 
 The parameters the model reads stay 16-bit; only the optimizer holds the
 master copy, in its state, next to the inner optimizer's state. Inside a
@@ -27,7 +28,7 @@ import numpy as np
 import optax
 
 from optax_lossscale._src.step import composition, conditional_step
-from optax_lossscale._src.storage import param_write, rounding
+from optax_lossscale._src.storage import param_write, rounding, schedule
 from optax_lossscale._src.utils import dtypes, params_check
 
 
@@ -41,7 +42,8 @@ class MasterWeightsState(NamedTuple):
       `master_dtype`, sharded like its parameter) of each floating parameter
       narrower than `master_dtype`, and None for every other leaf, which is
       stepped as it is. With `store='remainder'`, in place of each float32
-      copy, the int16 remainder that completes the bfloat16 parameter to it.
+      copy, the master's low 16 bits (an int16) that complete the bfloat16
+      parameter to it.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -102,6 +104,15 @@ def _has_master(leaf: Any, master_dtype: np.dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < master_dtype.itemsize
 
 
+def _written(master: jax.Array, dtype: Any) -> jax.Array:
+  """The parameter of dtype `dtype` written from `master`: a bfloat16 one of a float32
+  master rounded as `store='remainder'` must round it (ties away from zero), so that both
+  stores write the same parameters; any other pair rounded to nearest even."""
+  if np.dtype(dtype) == _BF16 and np.dtype(master.dtype) == _F32:
+    return rounding.round_half_away_bfloat16(master)
+  return master.astype(dtype)
+
+
 def master_weights(
   inner: optax.GradientTransformation, master_dtype: Any = jnp.float32, store: str = "copy"
 ) -> optax.GradientTransformationExtraArgs:
@@ -116,7 +127,9 @@ def master_weights(
   as `inner` steps it, with no copy; a non-floating leaf is left to `inner`
   too, and an integer or bool gradient raises a `TypeError` naming it.
 
-  The write is exact (bit for bit the master rounded to nearest) through
+  The write is exact (bit for bit the master rounded to nearest: ties away
+  from zero for a bfloat16 parameter of a float32 master, as below; to even
+  for the other pairs) through
   `ols.apply_gradients`, `optax_lossscale.flax.TrainState` and an outer
   `loss_scale_optimizer` or `skip_bad_steps` stepped either way. Through
   `tx.update` and `optax.apply_updates` (what `nnx.Optimizer.update` does)
@@ -136,18 +149,24 @@ def master_weights(
   float32.
 
   With `store='remainder'`, for bfloat16 parameters, the state keeps not the
-  float32 master but what the parameter lacks of it: 16 bits per parameter
-  (the difference of their bit patterns, as Megatron-LM's and Transformer
-  Engine's "parameter remainders"), 2 bytes instead of 4. Each step joins
-  the parameter and the remainder into the float32 master, steps it, and
-  splits it again; the parameters written are those of the full copy, bit
-  for bit, until a master lands where 16 bits cannot hold it: exactly
-  half-way above an even bfloat16 value (2**16 + 1 float32 values round to
-  it, one more than 16 bits hold), about once in 2**17 element-steps. It is
-  kept one float32 ulp lower, which rounds to the same parameter, and the
-  run goes on as on another backend, rounded differently here and there.
-  float16 parameters are refused at `init`: float16 is not the top half of
-  a float32, so no 16 bits complete it.
+  float32 master but what the parameter lacks of it: its low 16 bits, 2
+  bytes instead of 4 (the layout of Apex's and Transformer Engine's
+  "parameter remainders"). Each step joins the parameter and the remainder
+  into the float32 master, steps it, and splits it again. The split is exact
+  for every float32 master (zeros of both signs, subnormals, infinities, a
+  finite master whose parameter is infinite; a NaN stays a NaN) because the
+  parameter is the master rounded to nearest with ties *away from zero*:
+  every nonzero bfloat16 value is then the rounding of exactly 2**16
+  masters, as many as 16 bits tell apart (to nearest even, an even value
+  would be the rounding of 2**16 + 1). Both stores write bfloat16 parameters
+  of a float32 master that way, so a run with `store='remainder'` is the run
+  with the full copy, bit for bit, the gradients computed from its own
+  parameters included. A tie (a master's low 16 bits 0x8000, about one
+  element-step in 2**16) above an even value is the one place where the
+  parameter differs from `master.astype(jnp.bfloat16)` (round to nearest
+  even): one bfloat16 ulp up in magnitude. float16 parameters (which keep
+  the cast) are refused at `init` with `store='remainder'`: float16 is not
+  the top half of a float32, so no 16 bits complete it.
 
   Args:
     inner: the transformation to run on the master copy, e.g.
@@ -181,7 +200,7 @@ def master_weights(
     ...   p, s = ols.apply_gradients(tx, grads, s, p)
     >>> p['w']  # the master, 0.99 in float32, rounded to bfloat16
     Array([0.988281, 0.988281, 0.988281], dtype=bfloat16)
-    >>> bool(jnp.all(p['w'] == s.master['w'].astype(jnp.bfloat16)))
+    >>> bool(jnp.all(p['w'] == s.master['w'].astype(jnp.bfloat16)))  # no tie: as the cast
     True
 
   References:
@@ -281,11 +300,14 @@ def master_weights(
         new_params.append(s)
         new_master.append(None)
       elif store == "copy":
-        new_params.append(s.astype(jnp.result_type(p)))
+        new_params.append(_written(s, jnp.result_type(p)))
         new_master.append(s)
       else:
-        new_params.extend(rounding.split_bfloat16(s))
-        new_master.append(new_params.pop())
+        # Computed once into a buffer, which both halves read: each half recomputing it
+        # would read the old parameter and remainder that the other overwrites.
+        param, remainder = rounding.split_bfloat16(schedule.materialized(s))
+        new_params.append(param)
+        new_master.append(remainder)
       own_updates.append(u if m is None else None)
     return (
       new_params,

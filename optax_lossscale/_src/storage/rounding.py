@@ -26,8 +26,9 @@ are, zeros keep their sign.
 
 Also here, the other ways a float32 value becomes 16 bits in this package:
 `hash_bits`, the cheap random bits `stochastic_rounding` rounds with, and
-`split_bfloat16` / `join_bfloat16`, a float32 master as its bfloat16 rounding
-and a 16-bit remainder (`master_weights(store='remainder')`).
+`round_half_away_bfloat16`, how `master_weights` writes bfloat16 parameters
+of a float32 master, and `split_bfloat16` / `join_bfloat16`, that master as
+its bfloat16 rounding and a 16-bit remainder (`master_weights(store='remainder')`).
 """
 
 from __future__ import annotations
@@ -68,8 +69,13 @@ def round_with_bits(x: jax.Array, bits: jax.Array, dtype: Any) -> jax.Array:
   else:
     out = _round_narrower_exponent(raw, bits, target)
   out = out | sign
-  out = jnp.where(jnp.isnan(x), out | np.uint32(_quiet_nan_bits(target)), out)
-  return jax.lax.bitcast_convert_type(out.astype(jnp.uint16), target)
+  value = jax.lax.bitcast_convert_type(out.astype(jnp.uint16), target)
+  nan = jax.lax.bitcast_convert_type(
+    (out | np.uint32(_quiet_nan_bits(target))).astype(jnp.uint16), target
+  )
+  # Selected last, in the target dtype: XLA:CPU then computes the result in the loop that
+  # writes it and reads it from there (schedule.after), never recomputing its last step.
+  return jnp.where(jnp.isnan(x), nan, value)
 
 
 def _quiet_nan_bits(target: np.dtype) -> int:
@@ -116,30 +122,50 @@ def join_bfloat16(param: jax.Array, remainder: jax.Array) -> jax.Array:
   """The float32 master of a bfloat16 `param` and its int16 `remainder`.
 
   The master's bits are the parameter's, shifted up 16, plus the remainder
-  (a signed difference of bit patterns, wrapping as uint32 arithmetic does).
+  (sign-extended; uint32 arithmetic, wrapping): the inverse of
+  `split_bfloat16` for every float32 value but a NaN's payload.
   """
   high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
   low = jax.lax.bitcast_convert_type(remainder.astype(jnp.int32), jnp.uint32)
   return jax.lax.bitcast_convert_type(high + low, jnp.float32)
 
 
-def split_bfloat16(master: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`(param, remainder)`: a float32 `master` rounded to bfloat16, and the rest of it.
+def round_half_away_bfloat16(master: jax.Array) -> jax.Array:
+  """`master` (float32) rounded to the nearest bfloat16 value, ties away from zero.
 
-  The parameter is `master.astype(bfloat16)` (round to nearest, ties to even).
-  The difference of bit patterns `master - param << 16` lies in [-2**15, 2**15]:
-  int16 holds all of it but +2**15, a master exactly halfway above an even
-  parameter (its low 16 bits 0x8000, rounded down). No 16 bits can hold that
-  one: 2**16 + 1 float32 values round to each even bfloat16 value. There the
-  remainder is 2**15 - 1, the master one float32 ulp below the tie, which
-  still rounds to the same parameter.
+  On the bits: add half a bfloat16 ulp (0x8000) to the magnitude and keep the
+  top 16 bits, so that every bfloat16 value is the rounding of exactly 2**16
+  float32 values (round-to-nearest-even gives an even value 2**16 + 1 of
+  them and an odd one 2**16 - 1), the 2**16 that its remainder in
+  `split_bfloat16` can tell apart. It differs from `master.astype(bfloat16)`
+  only on a tie (low 16 bits 0x8000) above an even value, rounded up here.
+  Past the largest bfloat16 value by half an ulp it gives infinity, as the
+  cast does; a NaN stays a NaN (quiet, of the same sign).
   """
-  param = master.astype(jnp.bfloat16)
-  high = jax.lax.bitcast_convert_type(param, jnp.uint16).astype(jnp.uint32) << 16
-  diff = jax.lax.bitcast_convert_type(
-    jax.lax.bitcast_convert_type(master, jnp.uint32) - high, jnp.int32
-  )
-  return param, jnp.clip(diff, -(2**15), 2**15 - 1).astype(jnp.int16)
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(master, jnp.float32), jnp.uint32)
+  rounded = (bits + np.uint32(0x8000)) >> 16
+  # A NaN's payload can carry into infinity or past the sign: keep it a NaN instead.
+  nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+  rounded = jnp.where(nan, (bits >> 16) | np.uint32(0x0040), rounded)
+  return jax.lax.bitcast_convert_type(rounded.astype(jnp.uint16), jnp.bfloat16)
+
+
+def split_bfloat16(master: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(param, remainder)`: a float32 `master` as bfloat16 and the 16 bits it lacks.
+
+  The parameter is `round_half_away_bfloat16(master)` (to nearest, ties away
+  from zero); the remainder is the master's low 16 bits as an int16, which
+  is the signed difference of bit patterns `master - param << 16`, in
+  [-2**15, 2**15): `join_bfloat16(param, remainder)` is `master` bit for bit,
+  for every float32 value (zeros of both signs, subnormals, infinities and
+  values past the largest bfloat16, whose parameter is infinite), but a
+  NaN, which joins back to a NaN of its sign. The layout of Apex's and
+  Transformer Engine's parameter remainders.
+  """
+  master = jnp.asarray(master, jnp.float32)
+  bits = jax.lax.bitcast_convert_type(master, jnp.uint32)
+  remainder = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.int16)
+  return round_half_away_bfloat16(master), remainder
 
 
 def mix(x: jax.Array) -> jax.Array:
@@ -166,18 +192,20 @@ def explicit_sharding(x: Any) -> Any:
 def hash_bits(seed: Any, shape: tuple[int, ...], sharding: Any = None) -> jax.Array:
   """One uint32 per element of `shape`, a hash of its index and the two words of `seed`.
 
-  `mix(mix(i ^ seed[0]) ^ seed[1])` for the element's row-major index `i`
-  (modulo 2**32) and the two uint32 scalars of `seed`, `mix` a bijection:
-  for one index, a uniformly random seed gives uniformly random bits, so
+  `mix(i ^ w)` for the element's row-major index `i` (modulo 2**32) and the
+  word `w = mix(seed[0] ^ mix(seed[1]))`, mixed once per call from the two
+  uint32 scalars of `seed`, `mix` a bijection: for one index, a uniformly
+  random seed gives a uniformly random `w` and uniformly random bits, so
   rounding with them is exactly unbiased over seeds, as with any generator.
-  Across indices and seeds the bits are
-  as independent as the hash makes them, which statistical checks cannot
-  tell from random at the sizes tested (tests/test_stochastic_rounding.py),
-  but it is not a generator with proven properties: elements 2**32 apart in
-  one array get the same bits. 7 to 50 times cheaper than threefry on a CPU.
-  The index comes from one iota per axis, so under `jit` each shard hashes
-  its own elements where it lives, the same bits as on one device (with
-  Explicit mesh axes, give the parameter's `sharding`).
+  Across indices and seeds the bits are as independent as the hash makes
+  them, which statistical checks cannot tell from random at the sizes tested
+  (tests/test_stochastic_rounding.py), but it is not a generator with proven
+  properties: elements 2**32 apart in one array get the same bits. One round
+  of the mix per element (a full-size second round cost about a tenth of
+  stochastic rounding's update on a CPU); 7 to 50 times cheaper than
+  threefry there. The index comes from one iota per axis, so under `jit`
+  each shard hashes its own elements where it lives, the same bits as on
+  one device (with Explicit mesh axes, give the parameter's `sharding`).
   """
   iota = functools.partial(jax.lax.broadcasted_iota, jnp.uint32, shape)
   if sharding is not None:
@@ -185,7 +213,8 @@ def hash_bits(seed: Any, shape: tuple[int, ...], sharding: Any = None) -> jax.Ar
   index = jnp.zeros(shape, jnp.uint32)
   for axis, size in enumerate(shape):
     index = index * np.uint32(size) + iota(axis)
-  return mix(mix(index ^ seed[0]) ^ seed[1])
+  word = mix(jnp.asarray(seed[0], jnp.uint32) ^ mix(jnp.asarray(seed[1], jnp.uint32)))
+  return mix(index ^ word)
 
 
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:

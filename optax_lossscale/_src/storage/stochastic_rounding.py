@@ -38,7 +38,7 @@ import optax
 
 from optax_lossscale._src.step import composition, skip_branch
 from optax_lossscale._src.storage import master_weights as master_lib
-from optax_lossscale._src.storage import param_write, quantize, rounding
+from optax_lossscale._src.storage import param_write, quantize, rounding, schedule
 from optax_lossscale._src.utils import params_check
 
 
@@ -237,8 +237,13 @@ def stochastic_rounding(
       exact = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
       seed = _leaf_seed(step_key, i, p)
       bits = rounding.hash_bits(seed, p.shape, rounding.explicit_sharding(p))
+      # Written by a loop of its own (schedule.materialized), which the state waits for.
       new_params.append(rounding.round_with_bits(exact, bits, p.dtype))
       own_updates.append(None)
+    # The new parameters read the old state (the float32 update comes from it); written
+    # after them, the state overwrites its donated buffers in place instead of copies.
+    rounded = [n for n, u in zip(new_params, own_updates, strict=True) if u is None]
+    inner_state = schedule.after(inner_state, rounded)
     new_state = StochasticRoundingState(inner_state, jax.random.key_data(next_key))
     return new_params, own_updates, new_state
 

@@ -1,0 +1,133 @@
+"""Two hints to XLA:CPU, so that a parameter write moves the bytes it must and no more.
+
+XLA:CPU fuses elementwise work into one loop per output and never several
+outputs into one loop: each full-size output is its own fusion, which
+recomputes from the program's inputs whatever cheap work it needs. Two ways
+that costs bytes, met by the parameter writers:
+
+* Two outputs of one value (the bfloat16 parameter and the 16-bit remainder
+  of one float32 master) each recompute it from the old parameter and
+  remainder, so whichever is written first destroys what the other still
+  reads, and XLA copies both donated buffers first. `materialized(x)` makes
+  XLA compute `x` once into a buffer of its own, which both outputs read: a
+  reduction (which XLA never duplicates into its consumers) that is the
+  identity, an OR with zeros.
+* An output computed from a donated buffer that another output overwrites
+  in place (stochastic rounding's new parameter reads the old moments, which
+  the moments' own loops overwrite) needs the reads before the writes; with
+  nothing ordering them, XLA copies the buffer. `after(tree, dep)` is
+  `tree`, ORed with zero bits read from one element of each array of `dep`:
+  a data dependency XLA's copy removal sees. It orders the loop that writes
+  `dep` only if that loop ends in an operation XLA will not duplicate into
+  the one-element read (a select of two values, as `rounding.round_with_bits`
+  ends), else XLA recomputes that element on its own and orders nothing.
+
+Both are the identity, bit for bit, and act only when the program is
+compiled for a CPU (`jax.lax.platform_dependent`): XLA:GPU fuses several
+outputs into one kernel, where a materialized value would be a round trip
+through memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _unsigned(dtype: Any) -> Any:
+  return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[np.dtype(dtype).itemsize]
+
+
+def _on_cpu(x: Any, on_cpu: Any) -> Any:
+  return jax.lax.platform_dependent(x, cpu=on_cpu, default=lambda x: x)
+
+
+def _materialize_bits(x: jax.Array) -> jax.Array:
+  # On the bits: XLA:CPU computes some 16-bit floating operations in float32, which
+  # would make a NaN's payload canonical.
+  bits = jax.lax.bitcast_convert_type(x, _unsigned(x.dtype))
+  stacked = jnp.stack([bits, jnp.zeros_like(bits)])
+  out = jax.lax.reduce(stacked, np.zeros((), bits.dtype), jax.lax.bitwise_or, (0,))
+  return jax.lax.bitcast_convert_type(out, x.dtype)
+
+
+def materialized(x: jax.Array) -> jax.Array:
+  """`x`, which XLA:CPU computes once into its own buffer (the identity elsewhere).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_lossscale._src.storage import schedule
+    >>> x = jnp.array([1.5, -0.0, jnp.nan])
+    >>> y = jax.jit(schedule.materialized)(x)
+    >>> bool(jnp.all(jax.lax.bitcast_convert_type(y, jnp.uint32)
+    ...               == jax.lax.bitcast_convert_type(x, jnp.uint32)))
+    True
+  """
+  x = jnp.asarray(x)
+  if x.size <= 1 or x.dtype == np.bool_ or np.dtype(x.dtype).itemsize not in (1, 2, 4):
+    return x
+  return _on_cpu(x, _materialize_bits)
+
+
+def _explicitly_sharded(x: Any) -> bool:
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  mesh = getattr(sharding, "mesh", None)
+  return explicit is not None and explicit in getattr(mesh, "axis_types", ())
+
+
+def _zero_bits_of(dep: list[jax.Array]) -> jax.Array:
+  """A uint32 zero that XLA cannot compute before every array of `dep` is written."""
+  zero = jnp.zeros((), jnp.uint32)
+  for d in dep:
+    first = jax.lax.slice(d, (0,) * d.ndim, (1,) * d.ndim).reshape(())
+    bits = jax.lax.bitcast_convert_type(first, _unsigned(d.dtype)).astype(jnp.uint32)
+    # 16 bits at most (`after` takes 16-bit arrays): shifted out, zero, which XLA's
+    # simplifier does not know.
+    zero = zero | (bits >> np.uint32(16))
+  return zero
+
+
+def after(tree: Any, dep: list[jax.Array]) -> Any:
+  """`tree`, each array leaf of which XLA:CPU computes after every array of `dep`.
+
+  `dep` are 16-bit arrays whose loop ends in an operation XLA does not
+  duplicate (see the module's docstring). The identity elsewhere than on a
+  CPU.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_lossscale._src.storage import schedule
+    >>> state = {'mu': jnp.array([1.0, -0.0]), 'count': jnp.int32(3)}
+    >>> out = jax.jit(schedule.after)(state, [jnp.ones(2, jnp.bfloat16)])
+    >>> out['mu'].tolist(), int(out['count'])
+    ([1.0, -0.0], 3)
+  """
+  # (An array sharded over Explicit mesh axes cannot be sliced to one element: left out,
+  # its loops keep XLA's copies.)
+  dep = [
+    jnp.asarray(d)
+    for d in dep
+    if jnp.size(d) and np.dtype(jnp.result_type(d)).itemsize <= 2 and not _explicitly_sharded(d)
+  ]
+  if not dep:
+    return tree
+
+  def order(tree: Any) -> Any:
+    zero = _zero_bits_of(dep)
+
+    def one(x: Any) -> Any:
+      if not isinstance(x, jax.Array) or np.dtype(x.dtype).itemsize not in (1, 2, 4):
+        return x
+      if np.dtype(x.dtype) == np.bool_:
+        return x | zero.astype(jnp.bool_)
+      kind = _unsigned(x.dtype)
+      bits = jax.lax.bitcast_convert_type(x, kind) | zero.astype(kind)
+      return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+    return jax.tree.map(one, tree)
+
+  return _on_cpu(tree, order)
