@@ -102,6 +102,8 @@ NEWEST_TESTS := $(addprefix tests/,test_autocast_primitives.py test_autocast_unk
   test_layout.py test_flax_train_state.py test_flax_nnx.py test_equinox.py test_loss_scale.py \
   test_optimizer.py test_skip_bad_steps.py test_master_weights.py)
 TEST_DEPS := pytest pytest-xdist hypothesis jmp chex
+# test_equinox.py's example needs scikit-learn (its data set): the module is skipped without it.
+NEWEST_DEPS := $(TEST_DEPS) scikit-learn
 LOWEST := .venv-lowest
 NEWEST := .venv-newest
 PY312 := .venv-py312
@@ -140,7 +142,7 @@ test-newest: $(NEWEST)/.installed-stamp
 $(NEWEST)/.installed-stamp: pyproject.toml constraints-newest.txt
 	test -x $(NEWEST)/bin/python || $$(.ci/find-python 3.12) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install --quiet -c constraints-newest.txt -e '.[flax,equinox]' \
-	  $(TEST_DEPS)
+	  $(NEWEST_DEPS)
 	touch $@
 
 # Regenerates constraints-newest.txt (after a jax or flax release): a fresh
@@ -148,7 +150,7 @@ $(NEWEST)/.installed-stamp: pyproject.toml constraints-newest.txt
 constraints-newest:
 	rm -rf .venv-freeze
 	$$(.ci/find-python 3.12) -m venv .venv-freeze
-	.venv-freeze/bin/python -m pip install --quiet -e '.[flax,equinox]' $(TEST_DEPS)
+	.venv-freeze/bin/python -m pip install --quiet -e '.[flax,equinox]' $(NEWEST_DEPS)
 	{ echo '# The newest releases pip resolved on Python 3.12: `make constraints-newest`.'; \
 	  .venv-freeze/bin/python -m pip freeze --exclude-editable; } > constraints-newest.txt
 	rm -rf .venv-freeze
