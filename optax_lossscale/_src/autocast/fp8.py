@@ -5,7 +5,7 @@ fp8 products with float32 accumulation, torchao's recipes in JAX::
 
   forward   out      = (q(lhs, e4m3) . q(rhs, e4m3))          * 1/s_lhs * 1/s_rhs
   backward  grad_lhs = (q(g, e5m2)   . q(rhs, e4m3))^T        * 1/s_g   * 1/s_rhs
-            grad_rhs = (q(lhs, e4m3) . q(g, e5m2))^T          * 1/s_lhs * 1/s_g
+            grad_rhs = (q(lhs, e4m3)^T . q(g, e5m2))          * 1/s_lhs * 1/s_g
 
   q(x, f) = convert(clamp(x * s, -max_f, max_f), f),  s = max_f / amax(x)   (float32)
 
@@ -51,16 +51,14 @@ GRADIENT = jnp.float8_e5m2  # the incoming gradient: range (5 exponent bits)
 MIN_DIMENSION = 16
 
 # The cost model of `predicted_speedup`, an H100's: achieved (not peak) GEMM
-# rates and the extra memory traffic of current scaling per quantized element
-# (an amax pass and a quantize pass over a 16- or 32-bit tensor, the fp8 write).
-# Fitted to torchao's two published H100 measurements of a float8 linear
-# against bfloat16, forward and backward (M, K, N = 1024, 2048, 1024: x0.80;
-# 4096, 8192, 16384: x1.39); this model gives x0.79 and x1.42. Unmeasured with
-# XLA: `benchmarks/fp8_autocast_bench.py --gpu` prints it beside the timings.
+# rates and memory bandwidth, and the bytes the fp8 program moves (`traffic`).
+# Checked against torchao's two published H100 measurements of a float8
+# linear against bfloat16, forward and backward (M, K, N = 1024, 2048, 1024:
+# x0.80; 4096, 8192, 16384: x1.39). Unmeasured with XLA:
+# `benchmarks/fp8_autocast_bench.py --gpu` prints it beside the timings.
 BF16_FLOPS = 700e12
-FP8_FLOPS = 1200e12
-MEMORY_BYTES_PER_S = 3.35e12
-SCALING_BYTES = 8.0
+FP8_FLOPS = 1150e12
+MEMORY_BYTES_PER_S = 3.0e12
 
 # The largest scale, about 2**120 (an amax below max_f / 2**120 counts as that
 # small): the scale and its inverse stay finite and normal in float32, and so
@@ -111,22 +109,113 @@ def product_dims(
   return math.prod(lhs_shape[i] for i in lb), m, n, math.prod(lhs_shape[i] for i in lc)
 
 
-def predicted_speedup(m: int, n: int, k: int, recipe: str = "tensorwise") -> float:
+class Traffic(NamedTuple):
+  """Bytes one fp8 product moves in a training step (forward and both backward products).
+
+  Attributes:
+    quantize: the amax passes and the quantize passes (read the source twice,
+      write the fp8 copy) of each quantized tensor.
+    gemms: the three GEMMs' reads of their fp8 operands and writes of their
+      outputs.
+    rescale: the passes that rescale an output by vectors (rowwise), where the
+      GEMM cannot fold a scalar.
+    gradient: the rowwise gradient with a saved operand's scales moved onto it,
+      written and read back where the amax reduction cannot fuse its producer.
+    transpose: fp8 copies laid out for a GEMM that takes only K-major fp8
+      operands (cuBLASLt's fp8 GEMMs on Hopper): each tensor serves one of its
+      two products transposed.
+  """
+
+  quantize: float
+  gemms: float
+  rescale: float
+  gradient: float
+  transpose: float
+
+  @property
+  def total(self) -> float:
+    return self.quantize + self.gemms + self.rescale + self.gradient + self.transpose
+
+  @property
+  def scaling(self) -> float:
+    """What current scaling adds to the GEMMs' own traffic."""
+    return self.total - self.gemms
+
+
+def traffic(
+  m: int,
+  n: int,
+  k: int,
+  recipe: str = "tensorwise",
+  *,
+  source_bytes: int | tuple[int, int, int] = 4,
+  out_bytes: int = 4,
+  stored_bytes: int = 1,
+  folds_scalar: bool = True,
+  fuses_producers: bool = True,
+  k_major_fp8: bool = True,
+) -> Traffic:
+  """The bytes the program of one fp8 product and its two backward products moves.
+
+  Each operand is quantized once (an amax pass and a quantize pass over its
+  source, `source_bytes` wide: one width, or the lhs's, the rhs's and the
+  gradient's; an fp8 write of `stored_bytes`), the gradient
+  once ('tensorwise') or once per backward product ('rowwise'); each of the
+  three GEMMs reads its two fp8 operands and writes an `out_bytes`-wide
+  result; a rescale by vectors (rowwise, or any rescale where the backend
+  does not fold a scalar into the GEMM: `folds_scalar=False`) reads and
+  writes each float32 output again; and where an amax reduction does not
+  fuse the multiply producing its input (`fuses_producers=False`), rowwise's
+  scaled gradients are written and read back; where fp8 GEMMs take K-major
+  operands only (`k_major_fp8`), each tensor is copied once transposed in fp8.
+  The defaults are an H100's (XLA's rewriter folds a scalar, reductions fuse
+  their producers, cuBLASLt's fp8 GEMMs are "TN"); XLA:CPU upcasts fp8
+  (`stored_bytes=4`), folds nothing, does not fuse producers into its
+  reductions and takes any layout: `tests/test_fp8_control.py` compares this
+  count with its compiled programs' `cost_analysis()`.
+  """
+  a, b, c = m * k, k * n, m * n
+  tensors = a + b + c
+  sa, sb, sc = source_bytes if isinstance(source_bytes, tuple) else (source_bytes,) * 3
+  gradients = c if recipe == "tensorwise" else 2 * c
+  rescaled = 0 if recipe == "tensorwise" and folds_scalar else tensors
+  return Traffic(
+    quantize=a * (2 * sa + stored_bytes)
+    + b * (2 * sb + stored_bytes)
+    + gradients * (2 * sc + stored_bytes),
+    gemms=2 * tensors * stored_bytes + tensors * out_bytes,
+    rescale=rescaled * 8,
+    gradient=0 if recipe == "tensorwise" or fuses_producers else 2 * c * 8,
+    transpose=2 * tensors * stored_bytes if k_major_fp8 else 0,
+  )
+
+
+def predicted_speedup(
+  m: int,
+  n: int,
+  k: int,
+  recipe: str = "tensorwise",
+  *,
+  source_bytes: int | tuple[int, int, int] = 4,
+  out_bytes: int = 4,
+) -> float:
   """Time of the three bfloat16 products of a training step over their fp8 time (the model).
 
-  Each product is bound by its arithmetic or its memory traffic, whichever is
-  slower; fp8 halves the operand bytes and doubles the rate, and current
-  scaling adds `SCALING_BYTES` per quantized element: the two operands once
-  each (the backward reuses the forward's fp8 operands), the gradient once
-  ('tensorwise') or twice ('rowwise': once per backward product, each with
-  the saved operand's row scales moved onto it). The batch size cancels.
+  Each GEMM is bound by its arithmetic or its memory traffic, whichever is
+  slower (fp8 doubles the rate and halves the operand bytes), and the fp8
+  step adds the scaling passes `traffic` counts, at memory speed. Operands
+  are `source_bytes` wide (autocast's: float32 parameters and activations;
+  `decide` passes the operands' own widths and a float32 gradient) and
+  outputs `out_bytes` (autocast's: the declared float32). The batch size
+  cancels.
   """
   flops = 2.0 * m * n * k
-  elements = m * k + k * n + m * n
-  bf16 = max(flops / BF16_FLOPS, 2.0 * elements / MEMORY_BYTES_PER_S)
-  fp8 = max(flops / FP8_FLOPS, (m * k + k * n + 2.0 * m * n) / MEMORY_BYTES_PER_S)
-  quantized = elements + (0 if recipe == "tensorwise" else m * n)
-  return 3 * bf16 / (3 * fp8 + SCALING_BYTES * quantized / MEMORY_BYTES_PER_S)
+  products = ((m * k, k * n, m * n), (m * n, k * n, m * k), (m * k, m * n, k * n))
+  bw = MEMORY_BYTES_PER_S
+  bf16 = sum(max(flops / BF16_FLOPS, (2 * (x + y) + out_bytes * z) / bw) for x, y, z in products)
+  fp8 = sum(max(flops / FP8_FLOPS, (x + y + out_bytes * z) / bw) for x, y, z in products)
+  t = traffic(m, n, k, recipe, source_bytes=source_bytes, out_bytes=out_bytes)
+  return bf16 / (fp8 + t.scaling / bw)
 
 
 def _is_eligible_dtype(dtype: Any) -> bool:
@@ -161,7 +250,8 @@ def decide(
   _, m, n, k = dims
   if min(m, n, k) < MIN_DIMENSION:
     return False, f"below {MIN_DIMENSION}"
-  speedup = predicted_speedup(m, n, k, recipe)
+  widths = (np.dtype(lhs_aval.dtype).itemsize, np.dtype(rhs_aval.dtype).itemsize, 4)
+  speedup = predicted_speedup(m, n, k, recipe, source_bytes=widths)
   if products == "all":
     return True, "all"
   if products == "auto":
@@ -319,6 +409,13 @@ def _product(
   rhs_dims, rhs_axes = _transposed(((rc, lc), (rb, lb)), ndims[1], ndims[0], swap=True)
   n_lhs_free = len(_free(ndims[0], lc, lb))
   n_rhs_free = len(_free(ndims[1], rc, rb))
+  # grad_rhs as `lhs . g` rather than JAX's `g . lhs`: for `x @ w` it comes out
+  # laid out as `w` (no transpose pass after the GEMM).
+  (g_contract, l_contract), (g_batch, l_batch) = rhs_dims
+  rhs_dims = ((l_contract, g_contract), (l_batch, g_batch))
+  nb = len(lb)
+  moved = lambda a: a if a < nb else a + len(lc) if a < nb + n_rhs_free else a - n_rhs_free
+  rhs_axes = tuple(moved(a) for a in rhs_axes)
 
   def forward(lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, Any]:
     ql, il = quantize(lhs, FORWARD, recipe, lc)
@@ -332,7 +429,7 @@ def _product(
     if recipe == "tensorwise":
       qg, ig = quantize(g, GRADIENT, recipe, ())
       grad_lhs = scaled_dot(qg, ig, qr, ir, lhs_dims)
-      grad_rhs = scaled_dot(qg, ig, ql, il, rhs_dims)
+      grad_rhs = scaled_dot(ql, il, qg, ig, rhs_dims)
     else:
       # A saved operand's row scales lie along dimensions the backward product
       # contracts; they move onto the gradient, exactly (powers of two, taken
@@ -343,8 +440,8 @@ def _product(
                         recipe, lhs_dims[0][0])  # fmt: skip
       grad_lhs = scaled_dot(qg, ig, qr, jnp.max(ir), lhs_dims)
       qg, ig = quantize(g32 * _relative(_as_output(il, lc, lb, True, n_rhs_free)), GRADIENT,
-                        recipe, rhs_dims[0][0])  # fmt: skip
-      grad_rhs = scaled_dot(qg, ig, ql, jnp.max(il), rhs_dims)
+                        recipe, rhs_dims[0][1])  # fmt: skip
+      grad_rhs = scaled_dot(ql, jnp.max(il), qg, ig, rhs_dims)
     grad_lhs = jnp.transpose(grad_lhs, lhs_axes).astype(dtypes[0])
     grad_rhs = jnp.transpose(grad_rhs, rhs_axes).astype(dtypes[1])
     return grad_lhs, grad_rhs
