@@ -22,6 +22,7 @@ import pytest
 
 import optax_lossscale as ols
 from optax_lossscale._src.autocast import fp8 as fp8_product
+from optax_lossscale._src.autocast import fp8_choice
 from tests.autocast_helpers import equations
 
 # jax 0.7.1's XLA (the lowest supported) rounds some scaled values differently
@@ -117,7 +118,7 @@ def test_a_gpt_of_width_4096_runs_its_projections_in_fp8_forward_and_backward():
   }
   # The 186M LM of the benchmarks (width 1024): its biggest product, the head
   # (8192x32768x1024), is charged more scaling traffic than its GEMMs save.
-  assert fp8_product.predicted_speedup(8192, 32768, 1024) < 1
+  assert fp8_choice.predicted_speedup(8192, 32768, 1024) < 1
 
 
 @pytest.mark.parametrize("recipe", fp8_product.RECIPES)
@@ -153,36 +154,36 @@ def test_fp8_is_checked_when_autocast_is_built():
 
 def test_eligible_products():
   big = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
-  assert fp8_product.eligible(big, big, MATMUL)
-  assert fp8_product.eligible(big, jax.ShapeDtypeStruct((4096, 4096), jnp.float32), MATMUL)
-  assert not fp8_product.eligible(big, big, MATMUL, recipe="rowwise")  # x1.18 and x0.86
+  assert fp8_choice.eligible(big, big, MATMUL)
+  assert fp8_choice.eligible(big, jax.ShapeDtypeStruct((4096, 4096), jnp.float32), MATMUL)
+  assert not fp8_choice.eligible(big, big, MATMUL, recipe="rowwise")  # x1.18 and x0.86
   square = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)  # x0.92: no
-  assert not fp8_product.eligible(square, square, MATMUL)
+  assert not fp8_choice.eligible(square, square, MATMUL)
   # batch dimensions are allowed; a dimension under 16 never is
   batched = jax.ShapeDtypeStruct((2, 8192, 8192), jnp.bfloat16)
-  assert fp8_product.eligible(batched, batched, (((2,), (1,)), ((0,), (0,))))
+  assert fp8_choice.eligible(batched, batched, (((2,), (1,)), ((0,), (0,))))
   thin = jax.ShapeDtypeStruct((4096, 8), jnp.bfloat16)
-  every = functools.partial(fp8_product.eligible, dimension_numbers=MATMUL, products="all")
+  every = functools.partial(fp8_choice.eligible, dimension_numbers=MATMUL, products="all")
   assert not every(big, thin)
   assert every(*[jax.ShapeDtypeStruct((16, 16), jnp.float16)] * 2)
   # operands fp8 already (a layer's own quantization), complex, integer or float64: never
   for dtype in (jnp.float8_e4m3fn, jnp.complex64, jnp.int32):
     other = jax.ShapeDtypeStruct((64, 64), dtype)
     assert not every(other, other)
-  assert not fp8_product.eligible(*[jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)] * 2, MATMUL)
+  assert not fp8_choice.eligible(*[jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)] * 2, MATMUL)
 
 
 def test_the_cost_model_reproduces_torchaos_h100_measurements():
   # torchao's float8 README (H100, forward and backward of a linear, M K N):
   # 1024 2048 1024 -> x0.80, 4096 8192 16384 -> x1.39. Arguments are m, n, k;
   # torchao's operands and outputs are bfloat16.
-  torchao = functools.partial(fp8_product.predicted_speedup, source_bytes=2, out_bytes=2)
+  torchao = functools.partial(fp8_choice.predicted_speedup, source_bytes=2, out_bytes=2)
   assert torchao(1024, 1024, 2048) == pytest.approx(0.80, abs=0.03)  # the model: x0.79
   assert torchao(4096, 16384, 8192) == pytest.approx(1.39, abs=0.05)  # x1.38
   # rowwise quantizes the gradient twice and rescales by vectors: it needs the
   # biggest products (a Llama-8B MLP's down projection, bfloat16 operands)
-  assert fp8_product.predicted_speedup(4096, 4096, 4096, "rowwise") < 1.0
-  assert fp8_product.predicted_speedup(8192, 4096, 16384, "rowwise", source_bytes=(2, 2, 4)) > 1
+  assert fp8_choice.predicted_speedup(4096, 4096, 4096, "rowwise") < 1.0
+  assert fp8_choice.predicted_speedup(8192, 4096, 16384, "rowwise", source_bytes=(2, 2, 4)) > 1
 
 
 def test_convolutions_and_small_products_keep_the_compute_dtype():

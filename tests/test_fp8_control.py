@@ -18,6 +18,7 @@ import pytest
 
 import optax_lossscale as ols
 from optax_lossscale._src.autocast import fp8 as fp8_product
+from optax_lossscale._src.autocast import fp8_choice
 from tests.autocast_helpers import equations
 
 BF16, F16 = "p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32"
@@ -72,7 +73,7 @@ def test_a_callable_chooses_by_module_path_and_dimensions():
     ("up", (1, 24, 64, 32), ("float32", "float32")),
     ("down", (1, 24, 16, 64), ("float32", "float32")),
   ]
-  assert seen[0].speedup == pytest.approx(fp8_product.predicted_speedup(24, 64, 32, "rowwise"))
+  assert seen[0].speedup == pytest.approx(fp8_choice.predicted_speedup(24, 64, 32, "rowwise"))
 
 
 def test_flax_module_paths_reach_the_callable():
@@ -180,7 +181,7 @@ def test_the_report_gives_the_cost_models_verdict_and_counts_a_loop_body_once():
   ws = jax.ShapeDtypeStruct((3, 4096, 4096), jnp.float32)
   x = jax.ShapeDtypeStruct((4096, 4096), jnp.float32)  # abstract: nothing allocated
   (row,) = ols.autocast_report(ols.autocast(loss, BF16, fp8="rowwise"), ws, x)
-  speedup = fp8_product.predicted_speedup(4096, 4096, 4096, "rowwise")
+  speedup = fp8_choice.predicted_speedup(4096, 4096, 4096, "rowwise")
   assert row.name == "layer" and row.reason == f"cost model x{speedup:.2f}"
   assert row.fp8 == (speedup > 1)
   (off,) = ols.autocast_report(ols.autocast(loss, BF16), ws, x)
@@ -320,7 +321,7 @@ def test_the_cost_models_bytes_are_what_the_compiled_step_moves(recipe, m, k, n)
   shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((m, k), (k, n), (m, n))]
   analysis = jax.jit(step).lower(*shapes).compile().cost_analysis()
   analysis = analysis[0] if isinstance(analysis, list) else analysis
-  model = fp8_product.traffic(
+  model = fp8_choice.traffic(
     m, n, k, recipe, stored_bytes=4, folds_scalar=False, fuses_producers=False,
     k_major_fp8=False,
   )  # fmt: skip
