@@ -149,8 +149,9 @@ def autocast(
     fp8: None, or 'tensorwise' or 'rowwise': the matrix products
       (`dot_general`) `fp8_products` chooses run on fp8 operands with float32
       accumulation, forward (`float8_e4m3fn`) and backward (the gradient in
-      `float8_e5m2`), each operand scaled by its current amax, one scale per
-      tensor or one power-of-two scale per row (docs/guides/fp8_autocast.md).
+      `float8_e5m2` tensorwise, `float8_e4m3fn` rowwise), each operand scaled
+      by its current amax, one scale per tensor or one power-of-two scale per
+      row (docs/guides/fp8_autocast.md).
       Where it chooses none, a warning says so, once per function.
     fp8_products: which products run in fp8, of those whose operands are 16-
       or 32-bit floats and whose dimensions are all at least 16: 'auto' (a

@@ -77,8 +77,8 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
       *invals, dimension_numbers, ctx.fp8, ctx.fp8_products, report.current_name()
     )
     if chosen:
-      report.record(name, dims, (fp8_lib.FORWARD,) * 2, (fp8_lib.GRADIENT, fp8_lib.FORWARD),
-                    True, reason)  # fmt: skip
+      backward = (fp8_lib.GRADIENTS[ctx.fp8], fp8_lib.FORWARD)
+      report.record(name, dims, (fp8_lib.FORWARD,) * 2, backward, True, reason)
       out = fp8_lib.fp8_dot_general(
         *invals,
         dimension_numbers=dimension_numbers,
