@@ -13,8 +13,8 @@ with the gradient's format `fg` e5m2 (tensorwise) or e4m3 (rowwise, whose
 per-row scales need range less than precision), as torchao's recipes.
 
 The scales are *current*: computed from the operand's own amax in the same
-step, so the product has no state. 'tensorwise' takes one scale per tensor
-; 'rowwise' one power-of-two scale per row or column along the dimensions
+step, so the product has no state. 'tensorwise' takes one scale per tensor;
+'rowwise' one power-of-two scale per row or column along the dimensions
 each product does not contract. Either way each operand is quantized once:
 the backward reads the forward's fp8 operands (residuals of 1 byte per
 element). A rowwise operand's scales lie along the dimensions its backward
@@ -27,8 +27,9 @@ NaN operand) makes the product NaN, never a clipped finite value.
 
 The lowered program is the one XLA's GPU GEMM rewriter turns into a cuBLASLt
 fp8 GEMM: a dot whose operands are fp8 (converts of clamped, scaled float32
-tensors) with float32 output, multiplied by a scalar (tensorwise: fused as the
-GEMM's output scale; rowwise: a vector rescale after it). On CPU XLA executes
+tensors) with float32 output, multiplied by the two inverse scales in turn
+(tensorwise: scalars, which the rewriter may fold into the GEMM, unmeasured;
+rowwise: vectors, an elementwise pass after it). On CPU XLA executes
 the same program by upcasting, so the numerics are those of a GPU run up to
 the order of the float32 sums.
 """
