@@ -31,7 +31,7 @@ the H100 measurements (`workloads.GPU_LM`) in bare bfloat16 (the model's own
 tensorwise on every product, cost model lifted), as medians of interleaved
 rounds; and single products, forward and forward + backward, bfloat16 against
 fp8, for 4096x8192x16384 (torchao's example) and a sweep, beside the cost
-model's prediction (`fp8_product.predicted_speedup`). Each compiled program's
+model's prediction (`fp8_choice.predicted_speedup`). Each compiled program's
 cuBLASLt fp8 GEMMs (`__cublas$lt$matmul$f8` custom calls) are counted: the
 proof that XLA's rewriter turned the fp8 products into fp8 GEMMs.
 
@@ -60,6 +60,7 @@ from benchmarks import low_precision_params as lpp
 from benchmarks import workloads
 import optax_lossscale as ols
 from optax_lossscale._src.autocast import fp8 as fp8_product
+from optax_lossscale._src.autocast import fp8_choice
 
 BF16 = "p=f32,c=bf16,o=f32"
 VARIANTS = ("float32", "bfloat16", "fp8 tensorwise", "fp8 rowwise")
@@ -287,7 +288,7 @@ def measure_gemms(
       {
         "m": m, "k": k, "n": n, "ms": ms,
         "f8_gemms": {name: f8_gemms(c) for name, c in compiled.items()},
-        "model_speedup": {r: fp8_product.predicted_speedup(m, n, k, r) for r in RECIPES},
+        "model_speedup": {r: fp8_choice.predicted_speedup(m, n, k, r) for r in RECIPES},
       }
     )  # fmt: skip
   return rows

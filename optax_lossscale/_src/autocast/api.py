@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from optax_lossscale._src.autocast import fp8 as fp8_lib
+from optax_lossscale._src.autocast import fp8_choice, loop, report
 from optax_lossscale._src.autocast import interpreter as interp
-from optax_lossscale._src.autocast import loop, report
 from optax_lossscale._src.autocast import rules as rules_lib
 from optax_lossscale._src.utils import policy as policy_lib
 
@@ -95,7 +95,7 @@ def autocast(
   rules: Mapping[str, str] | None = None,
   fp8: str | None = None,
   unknown_primitives: str = "warn",
-  fp8_products: str | Callable[[fp8_lib.Product], bool] = "auto",
+  fp8_products: str | Callable[[fp8_choice.Product], bool] = "auto",
 ) -> Callable[..., Any]:
   r"""Returns `fun` running in mixed precision, the dtype of every op decided on its jaxpr.
 
@@ -155,8 +155,9 @@ def autocast(
     fp8: None, or 'tensorwise' or 'rowwise': the matrix products
       (`dot_general`) `fp8_products` chooses run on fp8 operands with float32
       accumulation, forward (`float8_e4m3fn`) and backward (the gradient in
-      `float8_e5m2`), each operand scaled by its current amax, one scale per
-      tensor or one power-of-two scale per row (docs/guides/fp8_autocast.md).
+      `float8_e5m2` tensorwise, `float8_e4m3fn` rowwise), each operand scaled
+      by its current amax, one scale per tensor or one power-of-two scale per
+      row (docs/guides/fp8_autocast.md).
     unknown_primitives: what a primitive without a rule does: 'warn' (the
       default) runs it as written (its inputs in the dtypes the function
       declares, its outputs as it returns them) and warns once per primitive
@@ -167,7 +168,7 @@ def autocast(
       or 32-bit floats and whose dimensions are all at least 16: 'auto' (a
       cost model of an H100 predicts fp8 faster, forward and backward), 'all'
       (every one: to study fp8's numerics on a small model), or a callable
-      taking an `fp8.Product` (`name`: its module path from the jaxpr's name
+      taking an `fp8_choice.Product` (`name`: its module path from the jaxpr's name
       stack, e.g. 'MLP/Dense_0'; `dims`: `(batch, m, n, k)`; `dtypes`;
       `speedup`: the model's prediction) and returning whether it runs in fp8,
       as torchao's `module_filter_fn`. Chosen when `fun` is traced;
@@ -209,7 +210,7 @@ def autocast(
     raise ValueError(
       f"unknown_primitives must be one of {interp.UNKNOWN_PRIMITIVES}; got {unknown_primitives!r}."
     )
-  fp8_lib.check_products(fp8_products)
+  fp8_choice.check_products(fp8_products)
   policy = policy_lib.get_policy(policy)
   _check_compute_dtype(np.dtype(policy.compute_dtype))
   ctx = make_context(policy.compute_dtype, rules, fp8, unknown_primitives, fp8_products)
@@ -278,7 +279,7 @@ def _warn_no_fp8(fun: Any, fp8: str, products: Any, rows: list[report.ProductRow
     f"autocast(fp8={fp8!r}, fp8_products={products!r}): no matrix product of {name} runs in"
     f" fp8; of its {len(rows)} products: {why}. It runs in the compute dtype."
     " fp8_products='all' puts every product whose dimensions allow it (all at least"
-    f" {fp8_lib.MIN_DIMENSION}) in fp8; ols.autocast_report(f, *args) lists each product.",
+    f" {fp8_choice.MIN_DIMENSION}) in fp8; ols.autocast_report(f, *args) lists each product.",
     stacklevel=3,
   )
 

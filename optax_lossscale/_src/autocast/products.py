@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._src.autocast import fp8 as fp8_lib
+from optax_lossscale._src.autocast import fp8_choice, report
 from optax_lossscale._src.autocast import interpreter as interp
-from optax_lossscale._src.autocast import report
 
 
 def out_dtype(eqn: Any) -> np.dtype:
@@ -60,7 +60,7 @@ def operand_dtype(eqn: Any, invals: list[Any], compute_dtype: np.dtype) -> np.dt
 def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   """`dot_general`, `conv_general_dilated`, `ragged_dot_general` on compute-dtype operands.
 
-  With `autocast(..., fp8=recipe)`, a `dot_general` that `fp8.decide` chooses
+  With `autocast(..., fp8=recipe)`, a `dot_general` that `fp8_choice.decide` chooses
   runs on fp8 operands instead. Each product records what it did
   (`report.record`).
   """
@@ -73,12 +73,12 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
     dims = fp8_lib.product_dims(*(np.shape(v) for v in invals), eqn.params["dimension_numbers"])
   if ctx.fp8 is not None and name == "dot_general" and not tangent:
     dimension_numbers = eqn.params["dimension_numbers"]
-    chosen, reason = fp8_lib.decide(
+    chosen, reason = fp8_choice.decide(
       *invals, dimension_numbers, ctx.fp8, ctx.fp8_products, report.current_name()
     )
     if chosen:
-      report.record(name, dims, (fp8_lib.FORWARD,) * 2, (fp8_lib.GRADIENT, fp8_lib.FORWARD),
-                    True, reason)  # fmt: skip
+      backward = (fp8_lib.GRADIENTS[ctx.fp8], fp8_lib.FORWARD)
+      report.record(name, dims, (fp8_lib.FORWARD,) * 2, backward, True, reason)
       out = fp8_lib.fp8_dot_general(
         *invals,
         dimension_numbers=dimension_numbers,
