@@ -157,13 +157,13 @@ def autocast(
       accumulation, forward (`float8_e4m3fn`) and backward (the gradient in
       `float8_e5m2` tensorwise, `float8_e4m3fn` rowwise), each operand scaled
       by its current amax, one scale per tensor or one power-of-two scale per
-      row (docs/guides/fp8_autocast.md).
+      row (docs/guides/fp8_autocast.md). Where it chooses none, a warning
+      says so, once per function.
     unknown_primitives: what a primitive without a rule does: 'warn' (the
       default) runs it as written (its inputs in the dtypes the function
       declares, its outputs as it returns them) and warns once per primitive
       per process, naming the `rules=` entry that keeps its 16-bit work in 16
       bits; 'error' raises `UnknownPrimitiveError` when `fun` is traced.
-      Where it chooses none, a warning says so, once per function.
     fp8_products: which products run in fp8, of those whose operands are 16-
       or 32-bit floats and whose dimensions are all at least 16: 'auto' (a
       cost model of an H100 predicts fp8 faster, forward and backward), 'all'
