@@ -1,0 +1,250 @@
+"""`autocast` on the libraries users build on: Equinox's primitives, diffrax, e3nn-jax.
+
+Each library is optional (diffrax and e3nn-jax come with the `libraries` test
+extra, which `make test` installs): its tests skip where it is not installed.
+"""
+
+import importlib
+import pkgutil
+import sys
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optax_lossscale as ols
+from optax_lossscale._src.autocast import rules as autocast_rules
+from tests.autocast_helpers import matmul_inputs
+
+eqx = pytest.importorskip("equinox")
+
+
+def _relative(got, want):
+  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+  diff = sum(
+    float(jnp.sum((jnp.asarray(g, jnp.float32) - w) ** 2)) for g, w in zip(got, want, strict=True)
+  )
+  return (diff / sum(float(jnp.sum(jnp.square(w))) for w in want)) ** 0.5
+
+
+def _primitives_of(prefixes):
+  """`{name}` of every `Primitive` held by an imported module whose name starts with `prefixes`."""
+  found = set()
+  for name, module in list(sys.modules.items()):
+    if not name.startswith(prefixes) or module is None:
+      continue
+    for value in list(vars(module).values()):
+      if isinstance(value, jax.extend.core.Primitive):
+        found.add(value.name)
+  return found
+
+
+def test_every_equinox_and_lineax_primitive_has_a_rule():
+  packages = ["equinox", "equinox.internal", "equinox.debug", "lineax"]
+  for package in packages:
+    try:
+      module = importlib.import_module(package)
+    except ImportError:
+      continue
+    for info in pkgutil.walk_packages(getattr(module, "__path__", []), package + "."):
+      try:
+        importlib.import_module(info.name)
+      except Exception:  # an optional dependency of the library
+        pass
+  defined = _primitives_of(("equinox", "lineax"))
+  assert {"unvmap_any", "unvmap_all", "unvmap_max", "nonbatchable", "maybe_set"} <= defined
+  assert not defined - set(autocast_rules.RULES), sorted(defined - set(autocast_rules.RULES))
+
+
+def test_equinox_primitives_run_under_autocast():
+  import equinox.internal as eqxi
+
+  def fun(w, x):
+    h = x @ w
+    done = eqxi.unvmap_any(h > 100.0) | eqxi.unvmap_all(h < -100.0)
+    count = eqxi.nonbatchable(eqxi.unvmap_max(jnp.arange(3)))  # (no JVP: not differentiated)
+    return jnp.where(done, 0.0, jnp.sum(jnp.tanh(h))) + count
+
+  w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  mixed = ols.autocast(fun, "c=bf16,o=f32")
+  np.testing.assert_allclose(jax.jit(mixed)(w, x), fun(w, x), rtol=2e-2)
+  np.testing.assert_allclose(jax.grad(mixed)(w, x), jax.grad(fun)(w, x), rtol=5e-2, atol=1e-2)
+  assert set(matmul_inputs(jax.make_jaxpr(jax.grad(mixed))(w, x))) == {("bfloat16", "bfloat16")}
+
+
+def test_a_checkpointed_equinox_while_loop_writes_its_buffers_under_autocast():
+  # eqxi.while_loop(kind="checkpointed") writes through `maybe_set` and differentiates with a
+  # filter_custom_vjp; under vmap its primitives are bound as `vprim`.
+  import equinox.internal as eqxi
+
+  def fun(w, x):
+    def body(carry):
+      i, h = carry
+      return i + 1, jnp.tanh(h @ w)
+
+    _, h = eqxi.while_loop(lambda c: c[0] < 3, body, (0, x), max_steps=4, kind="checkpointed")
+    return jnp.sum(h**2)
+
+  w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  mixed = ols.autocast(fun, "c=bf16,o=f32")
+  np.testing.assert_allclose(jax.jit(mixed)(w, x), fun(w, x), rtol=2e-2)
+  assert _relative(jax.jit(jax.grad(mixed))(w, x), jax.grad(fun)(w, x)) < 2e-2
+  batched = jax.vmap(mixed, in_axes=(None, 0))(w, jnp.stack([x, 2 * x]))
+  np.testing.assert_allclose(batched, [fun(w, x), fun(w, 2 * x)], rtol=2e-2)
+
+
+def test_a_filter_custom_vjp_with_a_float_extra_argument_runs_forward_and_backward():
+  # Equinox wraps the extra (non-differentiated) arguments in `nondifferentiable`, a
+  # custom_jvp whose rule raises when traced: autocast must never trace it for tangents JAX
+  # does not give (it used to, for every custom_jvp, and raised "Unexpected tangent").
+  @eqx.filter_custom_vjp
+  def scaled_sin(h, scale):
+    return jnp.sin(h) * scale
+
+  @scaled_sin.def_fwd
+  def _(perturbed, h, scale):
+    del perturbed
+    return jnp.sin(h) * scale, jnp.cos(h)
+
+  @scaled_sin.def_bwd
+  def _(cos, g, perturbed, h, scale):
+    del perturbed, h
+    return 3.0 * g * cos * scale  # deliberately 3x the true gradient: the rule is used
+
+  loss = lambda w, x, scale: jnp.sum(scaled_sin(x @ w, scale))
+  w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  scale = jnp.full((4, 8), 2.0)
+  mixed = ols.autocast(loss, "c=bf16,o=f32")
+  np.testing.assert_allclose(mixed(w, x, scale), loss(w, x, scale), rtol=1e-2)
+  want = x.T @ (3.0 * jnp.cos(x @ w) * scale)
+  np.testing.assert_allclose(jax.grad(mixed)(w, x, scale), want, rtol=3e-2, atol=3e-2)
+  np.testing.assert_allclose(jax.grad(loss)(w, x, scale), want, rtol=1e-5, atol=1e-5)
+
+
+# -- diffrax: a neural ODE.
+
+
+def _neural_ode(adjoint):
+  diffrax = pytest.importorskip("diffrax")
+  optax = pytest.importorskip("optax")
+
+  class Field(eqx.Module):
+    mlp: eqx.nn.MLP
+
+    def __call__(self, t, y, args):
+      return self.mlp(y)
+
+  field = Field(eqx.nn.MLP(2, 2, 32, 1, activation=jnp.tanh, key=jax.random.key(0)))
+  ts = jnp.linspace(0.0, 1.0, 5)
+  y0 = jax.random.normal(jax.random.key(1), (8, 2))
+  target = y0[:, None] * jnp.exp(-ts)[None, :, None]
+  params, static = eqx.partition(field, eqx.is_array)
+
+  def solve(field, y):
+    term = diffrax.ODETerm(field)
+    saveat = diffrax.SaveAt(ts=ts)
+    return diffrax.diffeqsolve(
+      term, diffrax.Tsit5(), ts[0], ts[-1], 0.1, y, saveat=saveat, adjoint=adjoint, max_steps=16
+    ).ys
+
+  def loss(params):
+    field = eqx.combine(params, static)
+    return jnp.mean((jax.vmap(solve, in_axes=(None, 0))(field, y0) - target) ** 2)
+
+  mixed = ols.autocast(loss, "c=bf16,o=f32")
+  grads = jax.jit(jax.grad(mixed))(params)
+  want = jax.jit(jax.grad(loss))(params)
+  opt = optax.adam(3e-2)
+
+  @jax.jit
+  def step(params, state):
+    value, g = jax.value_and_grad(mixed)(params)
+    updates, state = opt.update(g, state)
+    return optax.apply_updates(params, updates), state, value
+
+  state, values = opt.init(params), []
+  for _ in range(3):
+    params, state, value = step(params, state)
+    values.append(float(value))
+  return mixed, loss, grads, want, values, field
+
+
+def test_a_diffrax_neural_ode_trains_under_autocast_with_direct_adjoint():
+  # DirectAdjoint differentiates through the solver's loop (Equinox's unvmap_any and
+  # maybe_set inside): interpreted, its products run in bfloat16.
+  diffrax = pytest.importorskip("diffrax")
+  mixed, _, grads, want, values, field = _neural_ode(diffrax.DirectAdjoint())
+  assert _relative(grads, want) < 2e-2  # 5.2e-3 measured
+  assert values[-1] < values[0]
+  params = eqx.filter(field, eqx.is_array)
+  jaxpr = jax.make_jaxpr(jax.grad(mixed))(params)
+  assert ("bfloat16", "bfloat16") in matmul_inputs(jaxpr)
+
+
+def test_a_diffrax_neural_ode_trains_under_autocast_with_its_default_adjoint():
+  # RecursiveCheckpointAdjoint is a filter_custom_vjp around the solve: a custom_vjp function
+  # runs as written (float32 here), forward and backward.
+  diffrax = pytest.importorskip("diffrax")
+  _, _, grads, want, values, _ = _neural_ode(diffrax.RecursiveCheckpointAdjoint())
+  assert _relative(grads, want) < 1e-5
+  assert values[-1] < values[0]
+
+
+# -- e3nn-jax: an equivariant network.
+
+
+def _e3nn_net():
+  e3nn = pytest.importorskip("e3nn_jax")
+  nn = pytest.importorskip("flax.linen")
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, pos, feats):
+      sh = e3nn.spherical_harmonics("0e + 1o + 2e", pos, normalize=True)
+      x = e3nn.concatenate([e3nn.IrrepsArray("4x0e", feats), sh])
+      x = e3nn.flax.Linear("16x0e + 8x0e + 8x1o + 4x2e")(x)
+      x = e3nn.tensor_product(x, sh, filter_ir_out="0e + 1o + 2e")
+      x = e3nn.gate(e3nn.flax.Linear("16x0e + 8x0e + 8x1o")(x))
+      x = e3nn.tensor_product(x, sh, filter_ir_out="0e")
+      return e3nn.flax.Linear("1x0e")(x).array
+
+  pos = jax.random.normal(jax.random.key(0), (64, 3))
+  feats = jax.random.normal(jax.random.key(1), (64, 4))
+  net = Net()
+  params = net.init(jax.random.key(2), pos, feats)
+  loss = lambda p, pos, feats: jnp.mean(net.apply(p, pos, feats) ** 2)
+  return loss, params, pos, feats
+
+
+@pytest.mark.parametrize("half", ["bf16", "f16"])
+def test_an_e3nn_equivariant_net_runs_under_autocast(half):
+  # On the CPU in bfloat16 it compiled and failed at run time ("Unsupported element type for
+  # DotThunk::Execute: BF16 x BF16 = F32") before products.py emitted that form canonically.
+  loss, params, pos, feats = _e3nn_net()
+  mixed = ols.autocast(loss, f"c={half},o=f32")
+  value, grads = jax.jit(jax.value_and_grad(mixed))(params, pos, feats)
+  want, want_grads = jax.jit(jax.value_and_grad(loss))(params, pos, feats)
+  np.testing.assert_allclose(value, want, rtol=2e-2)
+  assert _relative(grads, want_grads) < 5e-2
+  dtype = {"bf16": "bfloat16", "f16": "float16"}[half]
+  assert set(matmul_inputs(jax.make_jaxpr(mixed)(params, pos, feats))) == {(dtype, dtype)}
+
+
+def test_the_bfloat16_product_form_the_cpu_cannot_run_runs_and_keeps_its_operands():
+  # (5, 24) x (64, 5, 1), the lhs contracted on dimension 0: XLA's CPU backend compiles it
+  # as written and fails at run time (issue 39); autocast emits it canonically there.
+  def fun(a, b):
+    return jnp.sum(lax.dot_general(a, b, (((0,), (1,)), ((), ()))) ** 2)
+
+  a = jax.random.normal(jax.random.key(0), (5, 24))
+  b = jax.random.normal(jax.random.key(1), (64, 5, 1))
+  mixed = ols.autocast(fun, "c=bf16,o=f32")
+  rounded = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+  np.testing.assert_allclose(jax.jit(mixed)(a, b), fun(rounded(a), rounded(b)), rtol=1e-5)
+  assert _relative(jax.jit(jax.grad(mixed))(a, b), jax.grad(fun)(a, b)) < 2e-2
+  assert set(matmul_inputs(jax.make_jaxpr(mixed)(a, b))) == {("bfloat16", "bfloat16")}
