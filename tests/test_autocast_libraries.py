@@ -6,6 +6,7 @@ extra, which `make test` installs): its tests skip where it is not installed.
 
 import importlib
 import pkgutil
+import re
 import sys
 
 import jax
@@ -129,7 +130,15 @@ def test_a_filter_custom_vjp_with_a_float_extra_argument_runs_forward_and_backwa
 # -- diffrax: a neural ODE.
 
 
+def _products(stablehlo, half="bf16"):
+  """The lowered program's products on two `half` operands."""
+  pattern = rf"dot_general[^\n]*\(tensor<[^>]*x{half}>, tensor<[^>]*x{half}>\) ->"
+  return re.findall(pattern, stablehlo)
+
+
 def _neural_ode(adjoint):
+  """Three Adam steps of a neural ODE under autocast bf16: the first step's gradients (and
+  float32's), the losses, and the lowered step (one compiled program each)."""
   diffrax = pytest.importorskip("diffrax")
   optax = pytest.importorskip("optax")
 
@@ -157,42 +166,44 @@ def _neural_ode(adjoint):
     return jnp.mean((jax.vmap(solve, in_axes=(None, 0))(field, y0) - target) ** 2)
 
   mixed = ols.autocast(loss, "c=bf16,o=f32")
-  grads = jax.jit(jax.grad(mixed))(params)
-  want = jax.jit(jax.grad(loss))(params)
   opt = optax.adam(3e-2)
 
-  @jax.jit
   def step(params, state):
-    value, g = jax.value_and_grad(mixed)(params)
-    updates, state = opt.update(g, state)
-    return optax.apply_updates(params, updates), state, value
+    value, grads = jax.value_and_grad(mixed)(params)
+    updates, state = opt.update(grads, state)
+    return optax.apply_updates(params, updates), state, value, grads
 
-  state, values = opt.init(params), []
+  state = opt.init(params)
+  lowered = jax.jit(step).lower(params, state)
+  compiled = lowered.compile()
+  values, first = [], None
   for _ in range(3):
-    params, state, value = step(params, state)
+    new_params, state, value, grads = compiled(params, state)
+    first = grads if first is None else first
+    params = new_params
     values.append(float(value))
-  return mixed, loss, grads, want, values, field
+  want = jax.jit(jax.grad(loss))(eqx.partition(field, eqx.is_array)[0])
+  return _relative(first, want), values, lowered.as_text()
 
 
 def test_a_diffrax_neural_ode_trains_under_autocast_with_direct_adjoint():
   # DirectAdjoint differentiates through the solver's loop (Equinox's unvmap_any and
-  # maybe_set inside): interpreted, its products run in bfloat16.
+  # maybe_set inside).
   diffrax = pytest.importorskip("diffrax")
-  mixed, _, grads, want, values, field = _neural_ode(diffrax.DirectAdjoint())
-  assert _relative(grads, want) < 2e-2  # 5.2e-3 measured
-  assert values[-1] < values[0]
-  params = eqx.filter(field, eqx.is_array)
-  jaxpr = jax.make_jaxpr(jax.grad(mixed))(params)
-  assert ("bfloat16", "bfloat16") in matmul_inputs(jaxpr)
+  error, values, text = _neural_ode(diffrax.DirectAdjoint())
+  assert error < 2e-2  # 5.2e-3 measured
+  assert values[-1] < 0.5 * values[0]
+  assert _products(text)  # its products on bfloat16 operands
 
 
 def test_a_diffrax_neural_ode_trains_under_autocast_with_its_default_adjoint():
-  # RecursiveCheckpointAdjoint is a filter_custom_vjp around the solve: a custom_vjp function
-  # runs as written (float32 here), forward and backward.
+  # RecursiveCheckpointAdjoint is a filter_custom_vjp around a checkpointed while loop: its
+  # forward and backward rules are interpreted too, so their products run in bfloat16.
   diffrax = pytest.importorskip("diffrax")
-  _, _, grads, want, values, _ = _neural_ode(diffrax.RecursiveCheckpointAdjoint())
-  assert _relative(grads, want) < 1e-5
-  assert values[-1] < values[0]
+  error, values, text = _neural_ode(diffrax.RecursiveCheckpointAdjoint())
+  assert error < 2e-2  # 3.0e-3 measured
+  assert values[-1] < 0.5 * values[0]
+  assert _products(text)
 
 
 # -- e3nn-jax: an equivariant network.
@@ -227,12 +238,13 @@ def test_an_e3nn_equivariant_net_runs_under_autocast(half):
   # DotThunk::Execute: BF16 x BF16 = F32") before products.py emitted that form canonically.
   loss, params, pos, feats = _e3nn_net()
   mixed = ols.autocast(loss, f"c={half},o=f32")
-  value, grads = jax.jit(jax.value_and_grad(mixed))(params, pos, feats)
+  lowered = jax.jit(jax.value_and_grad(mixed)).lower(params, pos, feats)
+  value, grads = lowered.compile()(params, pos, feats)
   want, want_grads = jax.jit(jax.value_and_grad(loss))(params, pos, feats)
   np.testing.assert_allclose(value, want, rtol=2e-2)
   assert _relative(grads, want_grads) < 5e-2
-  dtype = {"bf16": "bfloat16", "f16": "float16"}[half]
-  assert set(matmul_inputs(jax.make_jaxpr(mixed)(params, pos, feats))) == {(dtype, dtype)}
+  assert _products(lowered.as_text(), half)
+  assert "xf32>, tensor" not in "".join(re.findall(r"dot_general[^\n]*", lowered.as_text()))
 
 
 def test_the_bfloat16_product_form_the_cpu_cannot_run_runs_and_keeps_its_operands():
