@@ -303,3 +303,28 @@ def test_the_equinox_cnn_keeps_its_bfloat16_gradient_with_16_bit_saved_activatio
   unsaved = _relative(jax.jit(jax.grad(ols.autocast(loss, "c=bf16,o=f32")))(params), want)
   assert error <= 7.7e-3
   assert error <= 1.05 * unsaved, (error, unsaved)
+
+
+def test_a_custom_vjp_functions_body_and_rules_run_their_products_in_16_bits():
+  @jax.custom_vjp
+  def layer(w, h):
+    return jnp.tanh(h @ w)
+
+  def fwd(w, h):
+    y = jnp.tanh(h @ w)
+    return y, (w, h, y)
+
+  def bwd(res, g):
+    w, h, y = res
+    d = g * (1 - y**2)
+    return h.T @ d, d @ w.T
+
+  layer.defvjp(fwd, bwd)
+  loss = lambda w, x: jnp.sum(layer(w, layer(w, x)) ** 2)
+  w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+  x = jax.random.normal(jax.random.key(1), (4, 8))
+  mixed = ols.autocast(loss, "c=bf16,o=f32")
+  np.testing.assert_allclose(mixed(w, x), loss(w, x), rtol=2e-2)
+  assert _relative(jax.grad(mixed)(w, x), jax.grad(loss)(w, x)) < 2e-2
+  products = matmul_inputs(jax.make_jaxpr(jax.grad(mixed))(w, x))
+  assert len(products) >= 2 + 4 and set(products) == {("bfloat16", "bfloat16")}, products
