@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-EXTRAS ?= dev,flax,bench,equinox
+EXTRAS ?= dev,flax,bench,equinox,libraries
 
 .PHONY: install test test-examples lint demo bench bench-quick clean docs dist-check
 .PHONY: test-compat test-lowest test-py312 test-py313 test-newest constraints-lowest

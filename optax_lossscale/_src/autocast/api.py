@@ -127,7 +127,7 @@ def autocast(
   `jax.checkpoint` (the same policy), `cond`/`switch`, `while_loop` and `scan`
   (a loop carry keeps one dtype, the wider of what enters and what the body
   returns), `custom_jvp` (the body is interpreted, the rule kept and
-  interpreted alike), `custom_vjp` (run as written, body and rules) and
+  interpreted alike), `custom_vjp` (body and rules interpreted, rules kept) and
   `shard_map`, and composes with `jit`, `grad`, `vmap`, `jvp` and
   `ols.value_and_grad`. A primitive without a rule (a new jax release's, a
   library's own) runs as written, its inputs cast back to the dtypes the

@@ -19,8 +19,9 @@ primitives need types to agree:
 A `jit` whose body holds only region work is inlined into its region; one
 holding products or control flow stays a `jit` call, its interpreted jaxpr
 cached by the identity of JAX's (JAX itself caches that per function and
-shapes), so re-tracing a model re-uses it. A `custom_vjp` function runs as
-written (the `as_written` rule), body and rules unchanged.
+shapes), so re-tracing a model re-uses it. A `custom_vjp` function (Equinox's
+`filter_custom_vjp`, diffrax's adjoints) keeps its rules too: its body, its
+forward rule and its backward rule run through the interpreter.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import weakref
 
 import jax
 from jax import lax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
@@ -265,6 +267,106 @@ def custom_jvp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
 
   new.defjvp(rule, symbolic_zeros=p["symbolic_zeros"])
   return list(new(*args))
+
+
+def custom_vjp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
+  """`jax.custom_vjp` (and Equinox's `filter_custom_vjp`): body, forward and backward rules
+  interpreted, the rules kept.
+
+  The body runs when nothing is differentiated; under `grad`, the forward rule's jaxpr
+  (JAX's, for the inputs that are perturbed) runs through the interpreter, and the
+  backward rule is traced for the declared types (the residuals and cotangents of the
+  float32 program) and runs through it too, on the residuals the forward rule kept. Its
+  cotangents are cast to the inputs' dtypes. A release whose `custom_vjp_call` lacks these
+  parameters runs it as written.
+  """
+  p = eqn.params
+  if not all(k in p for k in ("call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees", "num_consts")):
+    return interp.as_written(ctx, eqn, invals)
+  consts, args = _split(invals, p["num_consts"])
+  kinds = _kinds(invals)
+  arg_kinds = kinds[len(consts) :]
+  fun = lambda *a: loop.eval_closed(ctx, p["call_jaxpr"], [*consts, *a], kinds)
+  dtypes = _out_dtypes(fun, args)
+  declared = [v.aval for v in eqn.invars]
+  res_avals: list[Any] = []
+
+  def fwd(*primals: Any) -> tuple[list[Any], list[Any]]:
+    values = [x.value for x in primals]
+    perturbed = [bool(x.perturbed) for x in primals]
+    jaxpr, fwd_consts = p["fwd_jaxpr_thunk"].call_wrapped(*perturbed)
+    outs = loop.eval_jaxpr(ctx, jaxpr, fwd_consts, values, arg_kinds)
+    # A literal residual as JAX's `eval_jaxpr` gives it (Equinox's rules read Python bools).
+    outs = [
+      getattr(v, "val", o) if _is_literal(v) else o
+      for v, o in zip(jaxpr.outvars, outs, strict=True)
+    ]
+    _, res_tree, input_fwds = p["out_trees"]()
+    n = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    computed, forwarded = iter(outs[:n]), [*consts, *values]
+    out_avals = iter([v.aval for v in jaxpr.outvars[:n]])
+    res, res_avals[:] = [], []
+    for f in input_fwds:
+      res.append(next(computed) if f is None else forwarded[f])
+      res_avals.append(next(out_avals) if f is None else declared[f])
+    return interp.cast_all(outs[n:], dtypes), res
+
+  def bwd(res: list[Any], cts: list[Any]) -> tuple[Any, ...]:
+    cts = [_instantiate(ct) for ct in cts]
+    ct_avals = [v.aval.to_tangent_aval() for v in eqn.outvars]
+    zero: list[bool] = []
+
+    # A residual known at trace time stays known (a rule may branch on it, as diffrax's
+    # does), in its declared dtype; the others are traced for their declared types.
+    values = [*res, *cts]
+    avals = [*res_avals, *ct_avals]
+    known = [not isinstance(v, jax.core.Tracer) for v in values]
+    traced = [v for v, k in zip(values, known, strict=True) if not k]
+
+    def declared_bwd(*a: Any) -> list[Any]:
+      rest = iter(a)
+      full = [
+        _declared(v, aval.dtype) if k else next(rest)
+        for v, aval, k in zip(values, avals, known, strict=True)
+      ]
+      outs = p["bwd"].call_wrapped(*full)
+      zero[:] = [not hasattr(o, "dtype") for o in outs]  # JAX's Zero: no cotangent
+      return [o for o in outs if hasattr(o, "dtype")]
+
+    structs = [
+      jax.ShapeDtypeStruct(a.shape, a.dtype) for a, k in zip(avals, known, strict=True) if not k
+    ]
+    closed = jax.make_jaxpr(declared_bwd)(*structs)
+    outs = iter(loop.eval_closed(ctx, closed, traced))
+    out = [None if z else next(outs) for z in zero]
+    return tuple(
+      interp.cast(o, interp.dtype_of(x)) if o is not None and interp.is_float(x) else None
+      for o, x in zip(out, args, strict=True)
+    )
+
+  new = jax.custom_vjp(fun)
+  new.defvjp(fwd, bwd, symbolic_zeros=True)
+  return list(new(*args))
+
+
+def _is_literal(var: Any) -> bool:
+  return isinstance(var, jex.core.Literal)
+
+
+def _declared(value: Any, dtype: Any) -> Any:
+  """A value known at trace time in its declared dtype (a Python scalar left as it is)."""
+  if not hasattr(value, "dtype") or interp.dtype_of(value) == dtype:
+    return value
+  return np.asarray(value).astype(dtype)
+
+
+def _instantiate(ct: Any) -> Any:
+  """A cotangent JAX passed as a symbolic zero, as an array of zeros."""
+  if not isinstance(ct, jax.custom_derivatives.SymbolicZero):
+    return ct
+  if ct.dtype == jax.dtypes.float0:
+    return np.zeros(ct.shape, jax.dtypes.float0)
+  return jnp.zeros(ct.shape, ct.dtype)
 
 
 def _zeros(x: Any) -> Any:

@@ -12,7 +12,7 @@ written:
   widest       exact ops (moves, comparisons, max, select): inputs promoted to
                their widest floating dtype, so 16-bit values stay 16-bit
   as_written   ops whose parameters fix their dtypes (bitcasts, callbacks,
-               custom_vjp kernels): inputs cast back to the declared dtypes
+               typed kernels): inputs cast back to the declared dtypes
   independent  ops whose operands do not meet (collectives, sort): as they are
 
 The loop (`loop`) groups consecutive float32 and widest equations

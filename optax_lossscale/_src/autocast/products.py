@@ -127,7 +127,8 @@ def _product(
   params = dict(items)
 
   def product(*ops: Any, preferred: Any, fence: bool = True) -> Any:
-    if fence and primitive.name == "dot_general" and _refused_on_cpu(*ops, params["dimension_numbers"]):
+    dims = params.get("dimension_numbers")
+    if fence and primitive.name == "dot_general" and _refused_on_cpu(*ops, dims):
       return _fenced_dot(*ops, params, preferred)
     return primitive.bind(*ops, **{**params, "preferred_element_type": preferred})
 

@@ -16,7 +16,10 @@ without), so a new release's primitive is caught by CI, not by a user.
   and, being costly, never recomputed in a region's backward pass.
 - independent: operands that never meet (collectives, sort, sharding hints).
 - as_written: dtypes the function fixed (bitcasts, typed kernels, callbacks,
-  custom_vjp functions, scatters, references, sparse arrays).
+  scatters, references, sparse arrays).
+
+Libraries that define primitives (Equinox, Lineax) have entries by name in
+`LIBRARIES`: the core never imports them.
 
 The primitives that only live inside a Pallas, Mosaic or Triton kernel's own
 jaxpr have no entry: `pallas_call` runs as written and autocast never enters
@@ -103,10 +106,10 @@ INDEPENDENT = (
   "host_local_array_to_global_array", "relayout",
 )  # fmt: skip
 
-# Dtypes fixed by the function: bitcasts, typed kernels and callbacks, custom_vjp, refs.
+# Dtypes fixed by the function: bitcasts, typed kernels and callbacks, refs.
 AS_WRITTEN = (
   "bitcast_convert_type", "reduce_precision", "rng_uniform", "random_gamma",
-  "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call_jaxpr", "pure_callback",
+  "custom_vjp_call_jaxpr", "custom_jvp_call_jaxpr", "pure_callback",
   "io_callback", "debug_callback", "debug_print", "buffer_callback", "ffi_call",
   "pallas_call", "tpu_custom_call", "cudnn_fusion", "custom_partitioning",
   "custom_linear_solve", "custom_vmap_call", "linear_call", "custom_lin", "remat_opt",
@@ -193,6 +196,7 @@ CONTROL: Mapping[str, interp.Rule] = {
   "while": control.while_loop,
   "scan": control.scan,
   "custom_jvp_call": control.custom_jvp,
+  "custom_vjp_call": control.custom_vjp,
   "shard_map": control.shard_map,
   # exact, but a region boundary: `checkpoint_name` marks what a remat policy saves
   "name": control.name,
