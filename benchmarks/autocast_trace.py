@@ -20,7 +20,9 @@ And two moments:
   same process, with JAX's caches warm (what a second `jit` wrapper, a new
   static argument or a re-run notebook cell costs).
 
-Variants interleaved per round, medians of per-round ratios. Run:
+Times are the tracing process's CPU seconds (`time.process_time`): tracing is
+single-threaded Python, and on a shared machine wall time also counts the
+neighbours. Variants interleaved per round, medians of per-round ratios. Run:
 `python -m benchmarks.autocast_trace` (`--quick` for a smoke test).
 """
 
@@ -128,9 +130,9 @@ def _setup(layers: int, form: str) -> tuple[LM, tuple[Any, ...]]:
 
 def _trace_seconds(model: LM, policy: str | None, args: tuple[Any, ...]) -> float:
   step = make_step(model, policy)  # a new function: no jit cache hit on the step itself
-  start = time.perf_counter()
+  start = time.process_time()
   jax.jit(step).trace(*args)
-  return time.perf_counter() - start
+  return time.process_time() - start
 
 
 def _first_in_fresh_process(layers: int, form: str, variant: str) -> float:
