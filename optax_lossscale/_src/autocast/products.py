@@ -82,7 +82,8 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
     params["precision"] = None
   c = operand_dtype(eqn, invals, c)
   ops = [interp.compute_copy(v, c) if interp.is_float(v) else v for v in invals]
-  result = out_dtype(eqn)
+  # Read only by products (`regions.plan`): written in the dtype they read it in.
+  result = c if interp.writes_narrow(eqn) else out_dtype(eqn)
   if c.itemsize >= 4:
     return [eqn.primitive.bind(*ops, **{**params, "preferred_element_type": result})]
   if tangent:  # a custom_jvp rule's tangent: linear, a 16-bit product as `_product`'s own
