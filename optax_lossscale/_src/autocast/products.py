@@ -14,6 +14,12 @@ operands. They accumulate as the backend accumulates 16-bit products
 (float32 on CPU, GPU and TPU matrix units; `tests/test_autocast.py` checks
 the CPU).
 
+A product whose output only products read (directly or through exact moves
+such as a transpose: an attention's output read by its output projection)
+writes it in the compute dtype instead (`regions.plan` finds them): its
+readers round it to the compute dtype anyway, so they read the same bits,
+and half the bytes are written and read.
+
 Left as written: products of complex operands (a real compute dtype would
 drop the imaginary part) and of fp8 operands (an fp8 layer's own choice).
 """
