@@ -8,6 +8,11 @@ function's arguments left out), as a ratio of the same loss in float32:
 * `hand-cast bf16`, `hand-cast f16`: the model's own `dtype=` (Flax's way);
 * `autocast bf16`, `autocast f16`: the float32 model under `ols.autocast`.
 
+The compiled temporary memory of `jit(value_and_grad(loss))` (XLA's
+`memory_analysis().temp_size_in_bytes`, the figure a user meets) for float32,
+the model's own bfloat16 (modules' `dtype=bfloat16`, parameters and inputs
+cast) and autocast bf16.
+
 And how far each variant's gradients are from float32's:
 `|g - g_f32| / |g_f32|` over all parameters at once (float16 variants
 differentiate the loss times 2**15 and divide, as loss scaling does).
@@ -139,6 +144,17 @@ def residual_bytes(fun: Callable[..., Any], *args: Any) -> int:
   return total
 
 
+def temp_bytes(fun: Callable[..., Any], *args: Any) -> int:
+  """XLA's temporary memory for `jit(value_and_grad(fun))` (arguments and outputs left out)."""
+  compiled = jax.jit(jax.value_and_grad(fun)).lower(*args).compile()
+  return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _to_bf16(tree: Any) -> Any:
+  floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)
+  return jax.tree.map(lambda x: x.astype(jnp.bfloat16) if floating(x) else x, tree)
+
+
 LOSS_SCALE = 2.0**15
 
 
@@ -174,6 +190,12 @@ def measure(quick: bool = False) -> dict[str, dict[str, Any]]:
       row[variant] = residual_bytes(fun, *args) / f32
       scale = LOSS_SCALE if variant.endswith("f16") and "bf16" not in variant else 1.0
       row["gradient error"][variant] = gradient_error(fun, reference, *args, scale=scale)
+    own_bf16 = (_to_bf16(params), extra, _to_bf16(inputs), targets)
+    row["temp MiB"] = {
+      "float32": temp_bytes(f32_loss, *args) / 2**20,
+      "own bf16": temp_bytes(variants["hand-cast bf16"], *own_bf16) / 2**20,
+      "autocast bf16": temp_bytes(variants["autocast bf16"], *args) / 2**20,
+    }
     results[name] = row
   return results
 
@@ -206,6 +228,9 @@ def main() -> None:
   print(f"{'float32 (MiB)':28}" + "".join(f"{r['float32 MiB']:14.1f}" for r in results.values()))
   for variant in variants:
     print(f"{variant:28}" + "".join(f"{r[variant]:14.3f}" for r in results.values()))
+  print(f"\n{'compiled temp memory (MiB)':28}" + "".join(f"{m:>14}" for m in results))
+  for variant in next(iter(results.values()))["temp MiB"]:
+    print(f"{variant:28}" + "".join(f"{r['temp MiB'][variant]:14.1f}" for r in results.values()))
   print(f"\n{'gradient error vs float32':28}" + "".join(f"{m:>14}" for m in results))
   for variant in variants:
     errors = [r["gradient error"][variant] for r in results.values()]

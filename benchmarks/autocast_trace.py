@@ -6,7 +6,11 @@ traced with `jax.jit(step).trace(...)`, in two forms:
 
 * `unrolled`: the blocks inlined into one jaxpr (every equation interpreted);
 * `jitted blocks`: each block under `nn.jit`, as models that jit their layers
-  do (JAX caches a jitted block's jaxpr; autocast caches its interpreted one).
+  do (JAX caches a jitted block's jaxpr; autocast caches its interpreted one);
+* `nn.scan`: the blocks' parameters stacked and the block run by Flax's
+  `nn.scan` (one `lax.scan` over the layers, as large models are written);
+* `lax.scan`: the same by hand, a `lax.scan` over a stacked parameter tree
+  (the block applied with `GPTBlock.apply`).
 
 And two moments:
 
@@ -16,7 +20,9 @@ And two moments:
   same process, with JAX's caches warm (what a second `jit` wrapper, a new
   static argument or a re-run notebook cell costs).
 
-Variants interleaved per round, medians of per-round ratios. Run:
+Times are the tracing process's CPU seconds (`time.process_time`): tracing is
+single-threaded Python, and on a shared machine wall time also counts the
+neighbours. Variants interleaved per round, medians of per-round ratios. Run:
 `python -m benchmarks.autocast_trace` (`--quick` for a smoke test).
 """
 
@@ -41,12 +47,39 @@ from benchmarks.autocast_memory import GPTBlock
 import optax_lossscale as ols
 
 POLICIES = {"float32": None, "autocast bf16": "p=f32,c=bf16,o=f32"}
-FORMS = ("unrolled", "jitted blocks")
+FORMS = ("unrolled", "jitted blocks", "nn.scan", "lax.scan")
+
+
+class _ScannedBlock(nn.Module):
+  """A `GPTBlock` in the signature `nn.scan` wants: (carry, x) -> (carry, y)."""
+
+  width: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+    return GPTBlock(self.width, 4)(x), None
+
+
+class _HandScan(nn.Module):
+  """The blocks' parameters stacked on a leading axis, run by a hand-written `lax.scan`."""
+
+  layers: int
+  width: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    block = GPTBlock(self.width, 4)
+    init = lambda key: jax.vmap(lambda k: block.init(k, x)["params"])(
+      jax.random.split(key, self.layers)
+    )
+    stacked = self.param("blocks", init)
+    step = lambda h, p: (block.apply({"params": p}, h), None)
+    return jax.lax.scan(step, x, stacked)[0]
 
 
 class LM(nn.Module):
   layers: int
-  jitted: bool
+  form: str
   vocab: int = 1024
   width: int = 256
 
@@ -54,9 +87,20 @@ class LM(nn.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     embed = nn.Embed(self.vocab, self.width)
     x = embed(tokens)
-    block = nn.jit(GPTBlock) if self.jitted else GPTBlock
-    for _ in range(self.layers):
-      x = block(self.width, 4)(x)
+    if self.form == "nn.scan":
+      scanned = nn.scan(
+        _ScannedBlock,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=self.layers,
+      )
+      x, _ = scanned(self.width)(x, None)
+    elif self.form == "lax.scan":
+      x = _HandScan(self.layers, self.width)(x)
+    else:
+      block = nn.jit(GPTBlock) if self.form == "jitted blocks" else GPTBlock
+      for _ in range(self.layers):
+        x = block(self.width, 4)(x)
     return embed.attend(nn.LayerNorm()(x))
 
 
@@ -77,7 +121,7 @@ def make_step(model: LM, policy: str | None) -> Callable[..., Any]:
 
 
 def _setup(layers: int, form: str) -> tuple[LM, tuple[Any, ...]]:
-  model = LM(layers, form == "jitted blocks")
+  model = LM(layers, form)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1024, (2, 128)), jnp.int32)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
   opt_state = jax.eval_shape(optax.adam(1e-3).init, params)
@@ -86,9 +130,9 @@ def _setup(layers: int, form: str) -> tuple[LM, tuple[Any, ...]]:
 
 def _trace_seconds(model: LM, policy: str | None, args: tuple[Any, ...]) -> float:
   step = make_step(model, policy)  # a new function: no jit cache hit on the step itself
-  start = time.perf_counter()
+  start = time.process_time()
   jax.jit(step).trace(*args)
-  return time.perf_counter() - start
+  return time.process_time() - start
 
 
 def _first_in_fresh_process(layers: int, form: str, variant: str) -> float:
@@ -102,9 +146,9 @@ def _one(layers: int, form: str, variant: str) -> float:
   return _trace_seconds(model, POLICIES[variant], args)
 
 
-def measure(layers: int, rounds: int) -> dict[str, Any]:
+def measure(layers: int, rounds: int, forms: tuple[str, ...] = FORMS) -> dict[str, Any]:
   out: dict[str, Any] = {"layers": layers, "rounds": rounds}
-  for form in FORMS:
+  for form in forms:
     model, args = _setup(layers, form)
     first: dict[str, list[float]] = {k: [] for k in POLICIES}
     again: dict[str, list[float]] = {k: [] for k in POLICIES}
@@ -132,13 +176,16 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true", help="2 layers, 1 round (a smoke test)")
   parser.add_argument("--layers", type=int, default=24)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument(
+    "--forms", nargs="+", choices=FORMS, default=list(FORMS), help="the model forms to trace"
+  )
   parser.add_argument("--json", help="write the results to this file")
   args = parser.parse_args()
   layers, rounds = (2, 1) if args.quick else (args.layers, args.rounds)
-  out = measure(layers, rounds)
+  out = measure(layers, rounds, tuple(args.forms))
   print(f"train step trace, GPT LM with {layers} layers ({rounds} rounds, medians)")
   print(f"{'form':15}{'variant':15}{'first (s)':>11}{'vs f32':>8}{'re-trace (s)':>14}{'vs f32':>8}")
-  for form in FORMS:
+  for form in args.forms:
     for name in POLICIES:
       r = out[form][name]
       print(

@@ -189,3 +189,60 @@ def test_regions_holding_custom_jvp_functions_are_cached_across_traces():
   jax.make_jaxpr(jax.grad(mixed))(ws, x)  # a re-trace: a new jaxpr, equal regions
   assert len(autocast_regions._fused_cache) == before
   np.testing.assert_allclose(jax.grad(mixed)(ws, x)[0], jax.grad(mlp)(ws, x)[0], rtol=1e-2)
+
+
+def _product_out_dtypes(closed):
+  """The output dtypes of the autocast products in a jaxpr, in order."""
+  return [
+    str(e.outvars[0].aval.dtype)
+    for e in closed.jaxpr.eqns
+    if e.primitive.name in ("jit", "pjit") and e.params["name"] == "autocast_product"
+  ]
+
+
+def test_a_product_read_only_by_products_is_written_in_16_bits(monkeypatch):
+  def attention_like(w, x):
+    h = (x @ w).T  # read by the next product only (through an exact move): 16 bits
+    g = h @ x  # read by arithmetic: its declared float32
+    return jnp.sum(jnp.tanh(g))
+
+  w, x = jnp.eye(D) / 2, X[:D]
+  mixed = ols.autocast(attention_like, HALVES["bfloat16"])
+  assert _product_out_dtypes(jax.make_jaxpr(mixed)(w, x)) == ["bfloat16", "float32"]
+  value, grads = jax.value_and_grad(mixed, (0, 1))(w, x)
+  # The reader gets the bits it read before: the same value and gradients as with the
+  # product written in float32.
+  monkeypatch.setattr(autocast_regions, "_narrow_products", lambda ctx, jaxpr: frozenset())
+  mixed = ols.autocast(attention_like, HALVES["bfloat16"])
+  assert _product_out_dtypes(jax.make_jaxpr(mixed)(w, x)) == ["float32", "float32"]
+  want_value, want_grads = jax.value_and_grad(mixed, (0, 1))(w, x)
+  np.testing.assert_array_equal(value, want_value)
+  for g, want in zip(grads, want_grads, strict=True):
+    np.testing.assert_array_equal(g, want)
+
+
+def test_a_scan_body_is_interpreted_once_when_its_carry_is_settled(monkeypatch):
+  from optax_lossscale._src.autocast import loop as autocast_loop
+
+  def scanned(ws, x, dtype):  # written in `dtype`
+    step = lambda h, w: (h + jnp.tanh(h @ w), None)
+    return jnp.sum(lax.scan(step, x.astype(dtype), ws.astype(dtype))[0].astype(jnp.float32) ** 2)
+
+  bodies = []
+  original = autocast_loop.eval_closed
+  monkeypatch.setattr(
+    autocast_loop,
+    "eval_closed",
+    lambda ctx, closed, *a, **k: bodies.append(closed) or original(ctx, closed, *a, **k),
+  )
+  ws = jnp.stack([jnp.eye(D) / 2] * 4)
+  mixed = ols.autocast(lambda ws, x: scanned(ws, x, jnp.float32), HALVES["bfloat16"])
+  jax.make_jaxpr(jax.grad(mixed))(ws, X)
+  assert len(bodies) == 1  # float32 carry: its dtype is settled, no search
+  # A carry written in bfloat16 meets autocast's float32 arithmetic: the search widens it.
+  bodies.clear()
+  mixed16 = ols.autocast(lambda ws, x: scanned(ws, x, jnp.bfloat16), HALVES["bfloat16"])
+  jaxpr = jax.make_jaxpr(mixed16)(ws, X)
+  assert len(bodies) > 1
+  (scan_eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+  assert [str(v.aval.dtype) for v in scan_eqn.outvars] == ["float32"]

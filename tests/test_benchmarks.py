@@ -257,15 +257,18 @@ def test_autocast_memory_benchmark_reads_the_residuals_of_every_variant():
     }
     for variant, error in row["gradient error"].items():
       assert 0 < row[variant] < 1 and 0 < error < 0.5, (variant, row)
+    assert set(row["temp MiB"]) == {"float32", "own bf16", "autocast bf16"}
+    assert all(m > 0 for m in row["temp MiB"].values()), row
 
 
 @pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")
-def test_autocast_trace_benchmark_times_both_forms(capsys):
+def test_autocast_trace_benchmark_times_every_form(capsys):
   from benchmarks import autocast_trace
 
-  model, args = autocast_trace._setup(1, "jitted blocks")
-  for policy in autocast_trace.POLICIES.values():
-    assert autocast_trace._trace_seconds(model, policy, args) > 0
+  for form in autocast_trace.FORMS:
+    model, args = autocast_trace._setup(2, form)
+    for policy in autocast_trace.POLICIES.values():
+      assert autocast_trace._trace_seconds(model, policy, args) > 0
 
 
 @pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")

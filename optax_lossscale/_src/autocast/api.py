@@ -105,7 +105,8 @@ def autocast(
   - matrix products and convolutions (`dot_general`, `conv_general_dilated`,
     `ragged_dot_general`) take their floating operands in the policy's
     compute dtype, accumulate in float32 and return the type the function
-    declared (float32); in the backward pass too (under `jax.grad` of the
+    declared (float32; the compute dtype where only products read it, as they
+    round it anyway); in the backward pass too (under `jax.grad` of the
     returned function), where JAX alone would run them in float32;
   - every op that rounds (arithmetic, `exp`, `log`, sums, the statistics of
     normalisation and softmax, the losses) computes in float32;

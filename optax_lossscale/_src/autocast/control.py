@@ -164,11 +164,19 @@ def while_loop(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   body_kinds = _kinds(body_consts) + [Kind.ACT] * len(init)
   body = lambda carry: loop.eval_closed(ctx, p["body_jaxpr"], [*body_consts, *carry], body_kinds)
   test = lambda carry: loop.eval_closed(ctx, p["cond_jaxpr"], [*cond_consts, *carry], cond_kinds)[0]
-  dtypes = _carry_dtypes(body, init)
-  step = lambda carry: interp.cast_all(body(carry), dtypes)
-  if p["cond_jaxpr"].out_avals[0].shape:
-    step = _batched_step(test, step)
-  return list(lax.while_loop(lambda c: _predicate(test(c)), step, interp.cast_all(init, dtypes)))
+  declared = p["body_jaxpr"].in_avals[p["body_nconsts"] :]
+
+  def run(dtypes: list[Any], seen: list[list[Any]]) -> list[Any]:
+    def step(carry: Sequence[Any]) -> list[Any]:
+      new = body(carry)
+      seen.append([interp.dtype_of(v) for v in new])
+      return interp.cast_all(new, dtypes)
+
+    if p["cond_jaxpr"].out_avals[0].shape:
+      step = _batched_step(test, step)
+    return list(lax.while_loop(lambda c: _predicate(test(c)), step, interp.cast_all(init, dtypes)))
+
+  return _with_settled_carry(run, lambda: _carry_dtypes(body, init), init, declared)
 
 
 def _predicate(pred: Any) -> Any:
@@ -218,12 +226,12 @@ def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   def first(carry: Sequence[Any]) -> list[Any]:  # one step, for the carry's types
     return body(carry, [x[0] for x in xs])[0]
 
-  def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-    new, y = body(carry, x)
-    return interp.cast_all(new, dtypes), y
+  def run(dtypes: list[Any], seen: list[list[Any]]) -> list[Any]:
+    def step(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+      new, y = body(carry, x)
+      seen.append([interp.dtype_of(v) for v in new])
+      return interp.cast_all(new, dtypes), y
 
-  with interp.repeated(p["length"]):
-    dtypes = _carry_dtypes(first, init) if p["length"] else [interp.dtype_of(v) for v in init]
     carry, ys = lax.scan(
       step,
       interp.cast_all(init, dtypes),
@@ -232,7 +240,12 @@ def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
       reverse=p["reverse"],
       unroll=p["unroll"],
     )
-  return [*carry, *ys]
+    return [*carry, *ys]
+
+  declared = p["jaxpr"].in_avals[p["num_consts"] : p["num_consts"] + num_carry]
+  settle = lambda: _carry_dtypes(first, init) if p["length"] else [interp.dtype_of(v) for v in init]
+  with interp.repeated(p["length"]):
+    return _with_settled_carry(run, settle, init, declared)
 
 
 def custom_jvp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
@@ -408,6 +421,40 @@ def _promote(*dtypes: Any) -> Any:
   if not all(interp.is_plain(d) and jnp.issubdtype(d, jnp.inexact) for d in dtypes):
     return dtypes[0]
   return np.dtype(functools.reduce(jnp.promote_types, dtypes))
+
+
+def _with_settled_carry(
+  run: Callable[[list[Any], list[list[Any]]], list[Any]],
+  settle: Callable[[], list[Any]],
+  init: Sequence[Any],
+  declared: Sequence[Any],
+) -> list[Any]:
+  """`run(dtypes, seen)`, the loop traced once with its carry at the fixed point of its dtypes.
+
+  Finding the fixed point (`settle`, `_carry_dtypes`) interprets the body
+  once more than the loop itself; a scan-layered model's body is the whole
+  model. It is not needed when every floating carry enters in its declared
+  dtype and that dtype is at least 32 bits: no rule returns a value wider
+  than its declared dtype then (only the float32 rule widens, and only
+  16-bit values), so the carry's dtypes are already settled. `run` records
+  the dtypes the body returns in `seen`; should one be wider all the same,
+  the loop is traced again at the fixed point.
+  """
+  dtypes = [interp.dtype_of(v) for v in init]
+  settled = all(
+    not _is_inexact(d) or (d == np.dtype(a.dtype) and d.itemsize >= 4)
+    for d, a in zip(dtypes, declared, strict=True)
+  )
+  if settled:
+    seen: list[list[Any]] = []
+    outs = run(dtypes, seen)
+    if all(_promote(d, o) == d for row in seen for d, o in zip(dtypes, row, strict=True)):
+      return outs
+  return run(settle(), [])
+
+
+def _is_inexact(dtype: Any) -> bool:
+  return interp.is_plain(dtype) and jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _carry_dtypes(body: Callable[[list[Any]], Sequence[Any]], init: Sequence[Any]) -> list[Any]:

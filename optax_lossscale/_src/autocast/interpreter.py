@@ -247,6 +247,28 @@ def mark_tangents(invals: Sequence[Any], outs: Sequence[Any]) -> None:
     memo.update((id(o), o) for o in outs)
 
 
+# The products of the running loop whose outputs only products read (by the
+# equation's identity, `regions.plan`): written in the compute dtype.
+_NARROW: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+  "autocast_narrow", default=frozenset()
+)
+
+
+@contextlib.contextmanager
+def narrow_scope(eqn_ids: frozenset[int]) -> Any:
+  """Evaluates a loop whose products `eqn_ids` write their outputs in the compute dtype."""
+  token = _NARROW.set(eqn_ids)
+  try:
+    yield
+  finally:
+    _NARROW.reset(token)
+
+
+def writes_narrow(eqn: Any) -> bool:
+  """Whether the product `eqn` writes its output in the compute dtype (only products read it)."""
+  return id(eqn) in _NARROW.get()
+
+
 @contextlib.contextmanager
 def scope() -> Any:
   """One top-level evaluation: the memo of value kinds."""

@@ -49,8 +49,9 @@ def eval_jaxpr(
     interp.remember_kind(value, plan.kinds[v])
   for value in consts:
     interp.remember_kind(value, Kind.GIVEN)
-  with interp.copies_scope():  # copies are shared within one loop, never across (a body is
-    for step in plan.steps:  # another trace)
+  # copies are shared within one loop, never across (a body is another trace)
+  with interp.copies_scope(), interp.narrow_scope(plan.narrow):
+    for step in plan.steps:
       invals = [read(v) for v in step.invars]
       if isinstance(step, regions.Region):
         # In a custom_jvp rule, a region's primal work and its tangent work run apart.

@@ -14,6 +14,12 @@ operands. They accumulate as the backend accumulates 16-bit products
 (float32 on CPU, GPU and TPU matrix units; `tests/test_autocast.py` checks
 the CPU).
 
+A product whose output only products read (directly or through exact moves
+such as a transpose: an attention's output read by its output projection)
+writes it in the compute dtype instead (`regions.plan` finds them): its
+readers round it to the compute dtype anyway, so they read the same bits,
+and half the bytes are written and read.
+
 Left as written: products of complex operands (a real compute dtype would
 drop the imaginary part) and of fp8 operands (an fp8 layer's own choice).
 """
@@ -105,7 +111,8 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
     # An algorithm fixes the input types (XLA would cast ours back): drop it.
     params["precision"] = None
   ops = [interp.compute_copy(v, c) if interp.is_float(v) else v for v in invals]
-  result = out_dtype(eqn)
+  # Read only by products (`regions.plan`): written in the dtype they read it in.
+  result = c if interp.writes_narrow(eqn) else out_dtype(eqn)
   if c.itemsize >= 4:
     return [eqn.primitive.bind(*ops, **{**params, "preferred_element_type": result})]
   if tangent:  # a custom_jvp rule's tangent: linear, a 16-bit product as `_product`'s own
