@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import optax_lossscale as ols
+from optax_lossscale._src.autocast import plan as autocast_plan
 from optax_lossscale._src.autocast import regions as autocast_regions
 from optax_lossscale._src.utils import compat
 from tests.autocast_helpers import matmul_inputs
@@ -212,7 +213,7 @@ def test_a_product_read_only_by_products_is_written_in_16_bits(monkeypatch):
   value, grads = jax.value_and_grad(mixed, (0, 1))(w, x)
   # The reader gets the bits it read before: the same value and gradients as with the
   # product written in float32.
-  monkeypatch.setattr(autocast_regions, "_narrow_products", lambda ctx, jaxpr: frozenset())
+  monkeypatch.setattr(autocast_plan, "_narrow_products", lambda ctx, jaxpr: frozenset())
   mixed = ols.autocast(attention_like, HALVES["bfloat16"])
   assert _product_out_dtypes(jax.make_jaxpr(mixed)(w, x)) == ["float32", "float32"]
   want_value, want_grads = jax.value_and_grad(mixed, (0, 1))(w, x)

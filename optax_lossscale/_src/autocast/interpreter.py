@@ -248,7 +248,7 @@ def mark_tangents(invals: Sequence[Any], outs: Sequence[Any]) -> None:
 
 
 # The products of the running loop whose outputs only products read (by the
-# equation's identity, `regions.plan`): written in the compute dtype.
+# equation's identity, `plan.plan`): written in the compute dtype.
 _NARROW: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
   "autocast_narrow", default=frozenset()
 )

@@ -1,9 +1,9 @@
 """The interpreter loop of `autocast`: `jax.core.eval_jaxpr` with a rule per equation.
 
-Consecutive float32 and widest equations run as one region
-(`regions`); every other equation by its rule (`rules`).
-The primitives that hold jaxprs (`control`) call back into this loop
-for their bodies.
+It reads the jaxpr's plan (`plan`, built once per jaxpr and context) and
+runs its steps: a region by `regions.run`, every other equation by its
+rule (`rules`). The primitives that hold jaxprs (`control`) run their
+bodies through this loop, each body by its own plan.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import jax.extend as jex
 
 from optax_lossscale._src.autocast import interpreter as interp
+from optax_lossscale._src.autocast import plan as plan_lib
 from optax_lossscale._src.autocast import regions, report
 from optax_lossscale._src.utils import compat
 
@@ -35,7 +36,7 @@ def eval_jaxpr(
   """
   if kinds is None:
     kinds = [Kind.GIVEN] * len(args)
-  plan = regions.plan(ctx, jaxpr, tuple(kinds), flat=interp.in_region())
+  plan = plan_lib.plan(ctx, jaxpr, tuple(kinds), flat=interp.in_region())
   env: dict[Any, Any] = {}
 
   def read(v: Any) -> Any:
@@ -53,10 +54,10 @@ def eval_jaxpr(
   with interp.copies_scope(), interp.narrow_scope(plan.narrow):
     for step in plan.steps:
       invals = [read(v) for v in step.invars]
-      if isinstance(step, regions.Region):
+      if isinstance(step, plan_lib.Region):
         # In a custom_jvp rule, a region's primal work and its tangent work run apart.
         tangent = [interp.any_tangent([x]) for x in invals]
-        parts = regions.split_at_tangents(step, tangent) if any(tangent) else (step,)
+        parts = plan_lib.split_at_tangents(step, tangent) if any(tangent) else (step,)
         for part in parts:
           ins = [read(v) for v in part.invars]
           kinds_in = [plan.kinds.get(v, Kind.GIVEN) for v in part.invars]
@@ -69,7 +70,7 @@ def eval_jaxpr(
   return [read(v) for v in jaxpr.outvars]
 
 
-def _write(env: dict[Any, Any], plan: regions.Plan, step: Any, invals: list[Any],
+def _write(env: dict[Any, Any], plan: plan_lib.Plan, step: Any, invals: list[Any],
            outs: list[Any]) -> None:  # fmt: skip
   """Stores a step's outputs with their kinds (tangents when computed from one)."""
   interp.mark_tangents(invals, outs)

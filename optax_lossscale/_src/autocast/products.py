@@ -16,7 +16,7 @@ the CPU).
 
 A product whose output only products read (directly or through exact moves
 such as a transpose: an attention's output read by its output projection)
-writes it in the compute dtype instead (`regions.plan` finds them): its
+writes it in the compute dtype instead (`plan.plan` finds them): its
 readers round it to the compute dtype anyway, so they read the same bits,
 and half the bytes are written and read.
 
@@ -111,7 +111,7 @@ def compute(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
     # An algorithm fixes the input types (XLA would cast ours back): drop it.
     params["precision"] = None
   ops = [interp.compute_copy(v, c) if interp.is_float(v) else v for v in invals]
-  # Read only by products (`regions.plan`): written in the dtype they read it in.
+  # Read only by products (`plan.plan`): written in the dtype they read it in.
   result = c if interp.writes_narrow(eqn) else out_dtype(eqn)
   if c.itemsize >= 4:
     return [eqn.primitive.bind(*ops, **{**params, "preferred_element_type": result})]
