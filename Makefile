@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= dev,flax,bench,equinox,libraries
 
-.PHONY: install test test-examples lint demo bench bench-quick clean docs dist-check
+.PHONY: install test test-examples test-extended lint demo bench bench-quick clean docs dist-check
 .PHONY: test-compat test-lowest test-py312 test-py313 test-newest constraints-lowest
 .PHONY: constraints-newest
 
@@ -27,9 +27,20 @@ lint: $(STAMP)
 EXAMPLE_TESTS := $(addprefix tests/,test_demo.py test_skip_bad_steps_demo.py \
   test_fp16_rl_example.py test_fp8_example.py test_notebooks.py test_benchmarks.py)
 
+# `make test` also leaves out the long runs, which `make test-extended` runs
+# (CI runs it too), to stay under 10 minutes on 2 cores: the autocast corpus
+# (about 850 real JAX functions in float16 and bfloat16), the third-party
+# libraries under autocast (Equinox's primitives, diffrax, e3nn-jax) and the
+# simulated 8-device sessions.
+EXTENDED_TESTS := $(addprefix tests/,test_autocast_corpus.py test_autocast_corpus_bf16.py \
+  test_autocast_libraries.py test_multi_device.py)
+
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n 2 --dist loadfile $(addprefix --ignore=,$(EXAMPLE_TESTS))
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(addprefix --ignore=,$(EXAMPLE_TESTS) $(EXTENDED_TESTS))
+
+test-extended: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(EXTENDED_TESTS)
 
 test-examples: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile $(EXAMPLE_TESTS)
