@@ -242,7 +242,7 @@ def scan(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
     )
     return [*carry, *ys]
 
-  declared = p["jaxpr"].in_avals[p["num_consts"] : p["num_consts"] + num_carry]
+  declared = p["jaxpr"].in_avals[len(consts) : len(consts) + num_carry]
   settle = lambda: _carry_dtypes(first, init) if p["length"] else [interp.dtype_of(v) for v in init]
   with interp.repeated(p["length"]):
     return _with_settled_carry(run, settle, init, declared)
@@ -291,10 +291,13 @@ def custom_vjp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   backward rule is traced for the declared types (the residuals and cotangents of the
   float32 program) and runs through it too, on the residuals the forward rule kept. Its
   cotangents are cast to the inputs' dtypes. A release whose `custom_vjp_call` lacks these
-  parameters runs it as written.
+  parameters, or whose backward rule returns another number of cotangents (jax >= 0.11,
+  `compat.CUSTOM_VJP_INTERPRETED`), runs it as written.
   """
   p = eqn.params
-  if not all(k in p for k in ("call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees", "num_consts")):
+  if not compat.CUSTOM_VJP_INTERPRETED or not all(
+    k in p for k in ("call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees", "num_consts")
+  ):
     return interp.as_written(ctx, eqn, invals)
   consts, args = _split(invals, p["num_consts"])
   kinds = _kinds(invals)

@@ -53,6 +53,13 @@ def custom_jvp_rule_jaxpr(
   return jaxpr, consts, list(out_zeros)
 
 
+# `custom_vjp_call`'s parameters as autocast's custom_vjp rule reads them (its backward
+# rule's cotangents one per argument): checked on jax 0.7.1 to 0.10.2. jax 0.11 and 0.12
+# return another number from `bwd`; until the rule reads them, those releases run a
+# custom_vjp function as written (correct, in the dtypes it declares).
+CUSTOM_VJP_INTERPRETED = tuple(int(x) for x in jax.__version_info__[:2]) < (0, 11)
+
+
 def scan_operands(params: dict[str, Any], args: list[Any]) -> tuple[list[Any], ...]:
   """A `scan` equation's operands split as `(consts, carry, xs)`.
 
