@@ -92,6 +92,9 @@ nitpick_ignore_regex += [
   ("py:class", r"(collections\.abc|os|typing|types)\..+"),
   # Private helpers that appear in signatures and attribute types: not public.
   ("py:class", r"ArrayTree|stat_lib\.RunningStatistic|optax_lossscale\._src\..+\._Self"),
+  # autocast's product description and report rows: described in `autocast` and
+  # `autocast_report` (their fields), not public names of their own.
+  ("py:class", r"optax_lossscale\._src\.autocast\.(fp8_choice\.Product|report\.Report)"),
 ]
 
 _CODE = re.compile(r"(``.*?``|`[^`]*`)")
