@@ -427,10 +427,13 @@ class StateDtypesTest(parameterized.TestCase):
     # analysis), against the minimum: read the gradient, params and state, write
     # params and state. 5.14 (q8) and 3.51 (fp8) times the minimum before: the
     # dequantized moments recomputed in four fusions each, float32 block
-    # temporaries, the old codes copied twice. Now one reduction for both moments'
-    # block extremes, then the params and each moment's codes: the gradient read
-    # four times, the old codes copied once (XLA:CPU copies a donated uint8 buffer
-    # that two fusions read), 36.5 bytes a parameter.
+    # temporaries, the old codes copied twice; then 2.27 with one copy of the old
+    # codes (XLA:CPU expands an optimization barrier into nothing before its copy
+    # removal, so the params' loop, which reads the old codes, was not ordered
+    # before the codes' loops that overwrite them). Now one reduction for both
+    # moments' block extremes, then the params, then each moment's codes, ordered
+    # by a data dependency: the gradient read four times, no copy, 32.5 bytes a
+    # parameter (x2.02).
     if jax.default_backend() != "cpu":
       self.skipTest("XLA:CPU's fusion and cost analysis; XLA:GPU fuses multiple outputs")
     tx = ols.state_dtypes(optax.adam(1e-3), {"mu": fmt, "nu": fmt})
@@ -443,8 +446,12 @@ class StateDtypesTest(parameterized.TestCase):
     nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))
     minimum = 2 * nbytes((params, state)) + nbytes(params)
     ratio = cost["bytes accessed"] / minimum
-    self.assertLess(ratio, 2.3)
+    self.assertLess(ratio, 2.05)
     self.assertGreater(ratio, 1.9)  # four reads of the gradient at least: not vacuous
+    copies = [
+      line for line in compiled.as_text().splitlines() if "[1024,1024]" in line and " copy(" in line
+    ]
+    self.assertEqual(copies, [])
     # No full-size float32 temporary: the only float32 array of the parameter's size
     # written is the new parameter.
     entry = compiled.as_text().split("ENTRY")[1]

@@ -25,7 +25,9 @@ the fused step riding on it (`step/conditional_step.attach`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+import contextlib
+import contextvars
 from typing import Any
 
 import jax
@@ -33,6 +35,27 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale._src.step import composition, conditional_step
+from optax_lossscale._src.storage import quantize
+
+# True while an outer writer runs an inner transformation's fused step, whose new
+# parameters are then not the ones returned (`nested`).
+_NESTED = contextvars.ContextVar("optax_lossscale_nested_write", default=False)
+
+
+def nested() -> bool:
+  """Whether the fused step being traced writes parameters that an outer writer
+  (`master_weights`, `stochastic_rounding`) computes from, rather than returns."""
+  return _NESTED.get()
+
+
+@contextlib.contextmanager
+def _inside() -> Iterator[None]:
+  token = _NESTED.set(True)
+  try:
+    yield
+  finally:
+    _NESTED.reset(token)
+
 
 # `(grads, state, params, extra_args, fused) -> (new_params, updates, new_state)`: the
 # new parameters leaf by leaf, and, where a leaf's update is the inner optimizer's own
@@ -80,6 +103,8 @@ def attach_write(kind: str, compute: Compute, settings: dict[str, Any]) -> Calla
     old, treedef = jax.tree.flatten(params)
     new, updates, new_state = compute(grads, state, params, extra_args, apply_to_params)
     if apply_to_params:
+      if not nested():  # the parameters returned: the new codes are written after them
+        new_state = quantize.codes_after(new_state, [jnp.asarray(n) for n in new])
       return treedef.unflatten(new), new_state
     out = [
       u if u is not None else closest_update(n, o, jnp.promote_types(n.dtype, jnp.float32))
@@ -107,7 +132,8 @@ def inner_step(
   """
   fused_step = conditional_step.fused_apply_gradients(inner) if fused else None
   if fused_step is not None:
-    new_params, inner_state = fused_step(grads, inner_state, params, **extra_args)
+    with _inside():
+      new_params, inner_state = fused_step(grads, inner_state, params, **extra_args)
     return new_params, None, inner_state
   updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
   return optax.apply_updates(params, updates), updates, inner_state

@@ -85,18 +85,17 @@ def _zero_bits_of(dep: list[jax.Array]) -> jax.Array:
   for d in dep:
     first = jax.lax.slice(d, (0,) * d.ndim, (1,) * d.ndim).reshape(())
     bits = jax.lax.bitcast_convert_type(first, _unsigned(d.dtype)).astype(jnp.uint32)
-    # 16 bits at most (`after` takes 16-bit arrays): shifted out, zero, which XLA's
-    # simplifier does not know.
-    zero = zero | (bits >> np.uint32(16))
+    # Shifted out in two steps: zero, which XLA's simplifier does not know.
+    zero = zero | ((bits >> np.uint32(16)) >> np.uint32(16))
   return zero
 
 
 def after(tree: Any, dep: list[jax.Array]) -> Any:
   """`tree`, each array leaf of which XLA:CPU computes after every array of `dep`.
 
-  `dep` are 16-bit arrays whose loop ends in an operation XLA does not
-  duplicate (see the module's docstring). The identity elsewhere than on a
-  CPU.
+  `dep` are arrays of up to 32 bits whose loop ends in an operation XLA does
+  not duplicate into a read of one element (see the module's docstring). The
+  identity elsewhere than on a CPU.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -111,7 +110,7 @@ def after(tree: Any, dep: list[jax.Array]) -> Any:
   dep = [
     jnp.asarray(d)
     for d in dep
-    if jnp.size(d) and np.dtype(jnp.result_type(d)).itemsize <= 2 and not _explicitly_sharded(d)
+    if jnp.size(d) and np.dtype(jnp.result_type(d)).itemsize <= 4 and not _explicitly_sharded(d)
   ]
   if not dep:
     return tree
