@@ -76,6 +76,7 @@ _SHIFT = 20  # float32's mantissa bits below the 3 kept
 _SIGNED, _UNSIGNED = 127, 255  # top codes
 _NEGLIGIBLE = 2.0**-100  # a block below this largest magnitude is stored as zeros
 _SALT = np.uint32(0x9E3779B9)  # the hash's second word (any odd constant)
+_GOLDEN = np.uint32(0x9E3779B1)  # 2**32 / the golden ratio, odd: each element's hash
 
 #: format -> (rel, floor) of the bound above, with float32's rounding added.
 ERROR_BOUNDS = {
@@ -286,7 +287,7 @@ def encode_array(
   multiplier = jnp.where(kept, top_value / jnp.where(kept, largest, 1.0), 0.0)
   if fmt == "q8":
     multiplier = jnp.where(signed, -multiplier, multiplier)
-  per_block = expand(multiplier)
+  per_block = expand(schedule.materialized(multiplier))
   ratio = magnitude * jnp.abs(per_block)
   near_top = np.nextafter(top_value, np.float32(0))
   ratio = jnp.where(ratio >= near_top, top_value, ratio)
@@ -327,9 +328,10 @@ def _noise(values: jax.Array, word: jax.Array) -> jax.Array:
   fused multiply-add) then changes its rounding only where it crosses the
   threshold, as with rounding to nearest, instead of a third of the time.
   The count and the salt are hashed into one word once (`noise_word`); each
-  element costs one round of the hash, `mix(index ^ word)`: for one index,
-  a uniformly random word gives uniformly random bits (`mix` is a bijection),
-  so the rounding is unbiased over counts. The index is the row-major one of
+  element costs a multiplicative hash, the top bits of `(index ^ word) * C`
+  (C odd): for one index, a uniformly random word gives uniformly random bits
+  (a product with an odd number is a bijection of uint32), so the rounding is
+  unbiased over counts. The index is the row-major one of
   the blocks, the array's own where its rows are whole blocks.
   """
   sharding = rounding.explicit_sharding(values)
@@ -339,7 +341,9 @@ def _noise(values: jax.Array, word: jax.Array) -> jax.Array:
   index = jnp.zeros(values.shape, jnp.uint32)
   for axis, size in enumerate(values.shape):
     index = index * np.uint32(size) + iota(axis)
-  return rounding.mix(index ^ word) >> (32 - _SHIFT)
+  # Knuth's multiplicative hash, whose top bits are the well-mixed ones: a bijection
+  # of uint32 (the constant is odd), one multiplication where `mix` takes two.
+  return ((index ^ word) * _GOLDEN) >> (32 - _SHIFT)
 
 
 @jax.jit
