@@ -17,8 +17,11 @@ that costs bytes, met by the parameter writers:
   the moments' own loops overwrite) needs the reads before the writes; with
   nothing ordering them, XLA copies the buffer. `after(tree, dep)` is
   `tree`, ORed with zero bits read from one element of each array of `dep`:
-  a data dependency XLA's copy removal sees. It orders the loop that writes
-  `dep` only if XLA will not duplicate that loop into the one-element read:
+  a data dependency XLA's copy removal sees (an optimization barrier is not:
+  XLA:CPU expands it into nothing before its copy removal), also how
+  `quantize.codes_after` writes 8-bit state after the new parameters. It
+  orders the loop that writes `dep` only if XLA will not duplicate that loop
+  into the one-element read:
   one holding an expensive operation (the division and square root of an
   Adam step, before `rounding.round_with_bits`'s final select); a cheap loop,
   even one ending in a select (the remainder's split, tried), is recomputed
