@@ -224,25 +224,31 @@ def block_extremes_of(arrays: list[jax.Array]) -> list[tuple[jax.Array, jax.Arra
   """Each block's largest magnitude (NaN where it holds a NaN or an infinity) and whether
   it holds a negative value, for several arrays of one shape.
 
-  One reduction (a variadic reduce of each array's smallest and largest
-  value): XLA:CPU takes it in one pass that reads what the arrays are
+  One reduction, on the float32 bits as integers (which CPUs compare
+  vectorized, without the NaN checks of a floating maximum): the largest
+  magnitude's bits (those of a NaN or an infinity are above every finite
+  one's) and the largest of the bits of the values below -0.0 (nonzero where
+  one is), float32's subnormals (under 2**-126) counted as zeros, as XLA:CPU
+  and GPUs flush them. XLA:CPU takes it in one pass that reads what the arrays are
   computed from once (Adam's gradient, for both moments).
   """
   blocks = [_to_blocks(_rows_unsharded(jnp.asarray(x))[0].astype(jnp.float32)) for x in arrays]
   k = len(blocks)
+  bits = [jax.lax.bitcast_convert_type(b, jnp.uint32) for b in blocks]
+  magnitude = [b & np.uint32(0x7FFFFFFF) for b in bits]
+  negative = [jnp.where(b >= np.uint32(0x80800000), b, np.uint32(0)) for b in bits]
   found = jax.lax.reduce(
-    (*blocks, *blocks),
-    (*[np.float32(np.inf)] * k, *[np.float32(-np.inf)] * k),
-    lambda a, b: (
-      *(jax.lax.min(x, y) for x, y in zip(a[:k], b[:k], strict=True)),
-      *(jax.lax.max(x, y) for x, y in zip(a[k:], b[k:], strict=True)),
-    ),
+    (*magnitude, *negative),
+    (np.uint32(0),) * (2 * k),
+    lambda a, b: tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True)),
     (blocks[0].ndim - 1,),
   )
   out = []
-  for low, high in zip(found[:k], found[k:], strict=True):
-    largest = jnp.maximum(-low, high)  # NaN if any is (lax.min and max propagate it)
-    out.append((jnp.where(jnp.isfinite(largest), largest, jnp.float32(jnp.nan)), low < 0))
+  for high, low in zip(found[:k], found[k:], strict=True):
+    largest = jax.lax.bitcast_convert_type(high, jnp.float32)
+    largest = jnp.where(high < np.uint32(0x00800000), np.float32(0), largest)
+    largest = jnp.where(high < np.uint32(0x7F800000), largest, np.float32(jnp.nan))
+    out.append((largest, low > 0))
   return out
 
 
