@@ -227,10 +227,6 @@ def test_grad_of_det_whose_rule_mixes_primal_and_tangent_work(half, tol):
   assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < tol
 
 
-@pytest.mark.skipif(
-  not compat.CUSTOM_VJP_INTERPRETED,
-  reason="jax >= 0.11 runs a custom_vjp function as written (compat.CUSTOM_VJP_INTERPRETED)",
-)
 def test_custom_vjp_rules_are_kept():
   @jax.custom_vjp
   def kernel(x):
@@ -243,6 +239,36 @@ def test_custom_vjp_rules_are_kept():
   (call,) = [e for e in equations(jaxpr) if e.primitive.name == "custom_vjp_call"]
   assert str(call.invars[0].aval.dtype) == "float32"  # the product's declared float32 result
   np.testing.assert_allclose(jax.grad(mixed)(w, X), 5.0 * X.T @ jnp.ones((4, 8)), rtol=1e-2)
+
+
+@pytest.mark.skipif(
+  not compat.CUSTOM_VJP_BWD_LOGS, reason="jax.custom_vjp.defvjp_with_logs is jax >= 0.11's"
+)
+def test_custom_vjp_backward_logs_are_kept_in_their_declared_dtypes():
+  @jax.custom_vjp
+  def layer(w, h):
+    return jnp.tanh(h @ w)
+
+  def fwd(w, h):
+    y = jnp.tanh(h @ w)
+    return y, (w, h, y)
+
+  def bwd(res, g):
+    w, h, y = res
+    d = g * (1 - y**2)
+    return (h.T @ d, d @ w.T), {"d_norm": jnp.sum(d * d), "steps": jnp.int32(3)}
+
+  layer.defvjp_with_logs(fwd, bwd)
+  w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+  _, want_vjp = jax.vjp(layer, w, X)
+  y, f_vjp = jax.vjp(ols.autocast(layer, "c=bf16,o=f32"), w, X)
+  (dw, dx), logs = f_vjp.with_logs(jnp.ones_like(y))
+  (want_dw, want_dx), want = want_vjp.with_logs(jnp.ones_like(y))
+  assert (dw.dtype, dx.dtype, logs["d_norm"].dtype) == (jnp.float32,) * 3
+  assert int(logs["steps"]) == 3
+  np.testing.assert_allclose(logs["d_norm"], want["d_norm"], rtol=2e-2)
+  np.testing.assert_allclose(dw, want_dw, rtol=5e-2, atol=5e-2)
+  np.testing.assert_allclose(dx, want_dx, rtol=5e-2, atol=5e-2)
 
 
 def test_jit_grad_vmap_jvp_and_hessian():
