@@ -271,6 +271,33 @@ def test_custom_vjp_backward_logs_are_kept_in_their_declared_dtypes():
   np.testing.assert_allclose(dx, want_dx, rtol=5e-2, atol=5e-2)
 
 
+def test_custom_vjp_under_vmap_with_an_unused_output_shared_across_the_batch():
+  # The second output does not vary over the batch and nothing reads it: JAX hands its zero
+  # cotangent to the rule as a symbolic zero, which jax 0.12's vmap reads (a nonzero one
+  # with a batched cotangent for `w` raises, as diffrax's default adjoint did under vmap).
+  @jax.custom_vjp
+  def layer(w, h):
+    return jnp.tanh(h @ w), jnp.sum(w)
+
+  def fwd(w, h):
+    return layer(w, h), (w, h, jnp.tanh(h @ w))
+
+  def bwd(res, g):
+    w, h, y = res
+    d = g[0] * (1 - y**2)
+    return h.T @ d + g[1], d @ w.T
+
+  layer.defvjp(fwd, bwd)
+  loss = lambda w, xs: jnp.sum(jax.vmap(lambda x: layer(w, x)[0])(xs))
+  w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+  xs = X[:, None]
+  mixed = ols.autocast(loss, "c=bf16,o=f32")
+  got, want = jax.grad(mixed)(w, xs), jax.grad(loss)(w, xs)
+  assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 2e-2
+  products = matmul_inputs(jax.make_jaxpr(jax.grad(mixed))(w, xs))
+  assert products and set(products) == {("bfloat16", "bfloat16")}, products
+
+
 def test_jit_grad_vmap_jvp_and_hessian():
   mixed = ols.autocast(mlp, "p=f32,c=bf16,o=f32")
   params = mlp_params()
