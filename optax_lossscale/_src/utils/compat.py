@@ -76,7 +76,7 @@ def custom_vjp_bwd(params: dict[str, Any], res: list[Any], cts: list[Any]) -> tu
   cotangent per output; checked on jax 0.7.1, 0.10.2, 0.11.2 and 0.12.0.1 (private:
   `jax._src.interpreters.ad._custom_lin_transpose` calls it this way).
   """
-  if not (params["symbolic_zeros"] or _CUSTOM_VJP_BWD_TAKES_ZEROS):
+  if not (params.get("symbolic_zeros", False) or _CUSTOM_VJP_BWD_TAKES_ZEROS):
     cts = [_instantiate(ct) for ct in cts]  # jax < 0.12
   out = params["bwd"].call_wrapped(*res, *cts)
   if CUSTOM_VJP_BWD_LOGS:
