@@ -290,14 +290,12 @@ def custom_vjp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
   (JAX's, for the inputs that are perturbed) runs through the interpreter, and the
   backward rule is traced for the declared types (the residuals and cotangents of the
   float32 program) and runs through it too, on the residuals the forward rule kept. Its
-  cotangents are cast to the inputs' dtypes. A release whose `custom_vjp_call` lacks these
-  parameters, or whose backward rule returns another number of cotangents (jax >= 0.11,
-  `compat.CUSTOM_VJP_INTERPRETED`), runs it as written.
+  cotangents are cast to the inputs' dtypes; what a rule logs (`defvjp_with_logs`, jax >=
+  0.11) is logged in the dtypes it declares. A release whose `custom_vjp_call` lacks these
+  parameters runs it as written.
   """
   p = eqn.params
-  if not compat.CUSTOM_VJP_INTERPRETED or not all(
-    k in p for k in ("call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees", "num_consts")
-  ):
+  if not all(k in p for k in ("call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees", "num_consts")):
     return interp.as_written(ctx, eqn, invals)
   consts, args = _split(invals, p["num_consts"])
   kinds = _kinds(invals)
@@ -328,12 +326,19 @@ def custom_vjp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
     return interp.cast_all(outs[n:], dtypes), res
 
   def bwd(res: list[Any], cts: list[Any]) -> tuple[Any, ...]:
-    cts = [_instantiate(ct) for ct in cts]
+    # A zero cotangent stays a symbolic zero, of the declared type (vmap's check on
+    # outputs shared across the batch reads it).
     ct_avals = [v.aval.to_tangent_aval() for v in eqn.outvars]
+    cts = [
+      jax.custom_derivatives.SymbolicZero(a) if _is_symbolic_zero(ct) else ct
+      for ct, a in zip(cts, ct_avals, strict=True)
+    ]
     zero: list[bool] = []
+    logs_tree: list[Any] = []  # the logs' treedef, once traced
 
     # A residual known at trace time stays known (a rule may branch on it, as diffrax's
-    # does), in its declared dtype; the others are traced for their declared types.
+    # does), in its declared dtype, and so does a symbolic zero; the others are traced
+    # for their declared types.
     values = [*res, *cts]
     avals = [*res_avals, *ct_avals]
     known = [not isinstance(v, jax.core.Tracer) for v in values]
@@ -345,23 +350,34 @@ def custom_vjp(ctx: interp.Context, eqn: Any, invals: list[Any]) -> list[Any]:
         _declared(v, aval.dtype) if k else next(rest)
         for v, aval, k in zip(values, avals, known, strict=True)
       ]
-      outs = p["bwd"].call_wrapped(*full)
+      outs, logs = compat.custom_vjp_bwd(p, full[: len(res)], full[len(res) :])
       zero[:] = [not hasattr(o, "dtype") for o in outs]  # JAX's Zero: no cotangent
-      return [o for o in outs if hasattr(o, "dtype")]
+      logged, tree = jax.tree.flatten(logs)
+      logs_tree[:] = [tree]
+      return [*(o for o in outs if hasattr(o, "dtype")), *logged]
 
     structs = [
       jax.ShapeDtypeStruct(a.shape, a.dtype) for a, k in zip(avals, known, strict=True) if not k
     ]
     closed = jax.make_jaxpr(declared_bwd)(*structs)
-    outs = iter(loop.eval_closed(ctx, closed, traced))
-    out = [None if z else next(outs) for z in zero]
-    return tuple(
+    outs = loop.eval_closed(ctx, closed, traced)
+    n = zero.count(False)
+    logged = [interp.cast(o, a.dtype) for o, a in zip(outs[n:], closed.out_avals[n:], strict=True)]
+    computed = iter(outs[:n])
+    out = [None if z else next(computed) for z in zero]
+    cts = tuple(
       interp.cast(o, interp.dtype_of(x)) if o is not None and interp.is_float(x) else None
       for o, x in zip(out, args, strict=True)
     )
+    if not compat.CUSTOM_VJP_BWD_LOGS:
+      return cts  # jax < 0.11
+    return cts, jax.tree.unflatten(logs_tree[0], logged)
 
   new = jax.custom_vjp(fun)
-  new.defvjp(fwd, bwd, symbolic_zeros=True)
+  if compat.CUSTOM_VJP_BWD_LOGS:
+    new.defvjp_with_logs(fwd, bwd, symbolic_zeros=True)
+  else:
+    new.defvjp(fwd, bwd, symbolic_zeros=True)  # jax < 0.11
   return list(new(*args))
 
 
@@ -376,13 +392,8 @@ def _declared(value: Any, dtype: Any) -> Any:
   return np.asarray(value).astype(dtype)
 
 
-def _instantiate(ct: Any) -> Any:
-  """A cotangent JAX passed as a symbolic zero, as an array of zeros."""
-  if not isinstance(ct, jax.custom_derivatives.SymbolicZero):
-    return ct
-  if ct.dtype == jax.dtypes.float0:
-    return np.zeros(ct.shape, jax.dtypes.float0)
-  return jnp.zeros(ct.shape, ct.dtype)
+def _is_symbolic_zero(ct: Any) -> bool:
+  return isinstance(ct, jax.custom_derivatives.SymbolicZero)
 
 
 def _zeros(x: Any) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 from jax._src import source_info_util
+import numpy as np
 
 
 def varying_axes(aval: Any) -> frozenset[Any]:
@@ -53,11 +54,44 @@ def custom_jvp_rule_jaxpr(
   return jaxpr, consts, list(out_zeros)
 
 
-# `custom_vjp_call`'s parameters as autocast's custom_vjp rule reads them (its backward
-# rule's cotangents one per argument): checked on jax 0.7.1 to 0.10.2. jax 0.11 and 0.12
-# return another number from `bwd`; until the rule reads them, those releases run a
-# custom_vjp function as written (correct, in the dtypes it declares).
-CUSTOM_VJP_INTERPRETED = tuple(int(x) for x in jax.__version_info__[:2]) < (0, 11)
+# jax 0.11 added `jax.custom_vjp.defvjp_with_logs`: since then a `custom_vjp_call`'s
+# backward rule returns `(cotangents, logs)` rather than the cotangents alone.
+CUSTOM_VJP_BWD_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+
+# jax 0.12 hands every backward rule its symbolic-zero cotangents (the rule's wrapper,
+# `_flatten_bwd`, instantiates them for a rule without `symbolic_zeros`; under `vmap` a
+# symbolic zero is what tells an output shared across the batch from one with a
+# cotangent); before, only a rule with `symbolic_zeros` got them, the others zeros.
+_CUSTOM_VJP_BWD_TAKES_ZEROS = tuple(int(x) for x in jax.__version_info__[:2]) >= (0, 12)
+
+
+def custom_vjp_bwd(params: dict[str, Any], res: list[Any], cts: list[Any]) -> tuple[list[Any], Any]:
+  """A `custom_vjp_call` equation's backward rule applied: `(cotangents, logs)`.
+
+  `cts` holds one cotangent per output, a `jax.custom_derivatives.SymbolicZero` where it
+  is zero, handed to the rule as JAX's own transpose does in this release. The result
+  holds one cotangent per argument of the function (JAX's `Zero` where the rule gives
+  none: no `dtype`); `logs` is what a rule defined with `defvjp_with_logs` (jax >= 0.11)
+  logs, None before. The rule, `params["bwd"]`, takes the residuals and then one
+  cotangent per output; checked on jax 0.7.1, 0.10.2, 0.11.2 and 0.12.0.1 (private:
+  `jax._src.interpreters.ad._custom_lin_transpose` calls it this way).
+  """
+  if not (params.get("symbolic_zeros", False) or _CUSTOM_VJP_BWD_TAKES_ZEROS):
+    cts = [_instantiate(ct) for ct in cts]  # jax < 0.12
+  out = params["bwd"].call_wrapped(*res, *cts)
+  if CUSTOM_VJP_BWD_LOGS:
+    cts_in, logs = out
+    return list(cts_in), logs
+  return list(out), None  # jax < 0.11
+
+
+def _instantiate(ct: Any) -> Any:
+  """A symbolic-zero cotangent as an array of zeros (any other value as it is)."""
+  if not isinstance(ct, jax.custom_derivatives.SymbolicZero):
+    return ct
+  if ct.dtype == jax.dtypes.float0:
+    return np.zeros(ct.shape, jax.dtypes.float0)
+  return jax.numpy.zeros(ct.shape, ct.dtype)
 
 
 def scan_operands(params: dict[str, Any], args: list[Any]) -> tuple[list[Any], ...]:
