@@ -108,10 +108,10 @@ def _build(ctx: interp.Context, region: plan_lib.Region, saved: tuple[bool, ...]
   def body(*xs: Any) -> list[Any]:
     return interp.eval_flat(ctx, eqns, invars, outvars, xs)
 
-  # The forward values, traced once: the function and its JVP rule both call it, so the
-  # rule's primal is one cached call where interpreting the body again would stage every
-  # equation twice more (traced, then partially evaluated by `linearize`).
-  forward = jax.jit(_apart(body))
+  # The forward values (the function's and its JVP rule's primal), their constants apart
+  # from the backward's. (A `jit` of it, traced once for both, stages fewer equations but
+  # makes more Python calls in all: no faster to trace.)
+  forward = _apart(body)
 
   @jax.custom_jvp
   def fused(*args: Any) -> list[Any]:
