@@ -320,8 +320,32 @@ def eval_flat(ctx: Context, eqns: Sequence[Any], invars: Sequence[Any], outvars:
 
 
 def literal(v: Any) -> Any:
-  """A jaxpr literal as a NumPy constant of its declared dtype (a key literal as it is)."""
-  return np.asarray(v.val, v.aval.dtype) if is_plain(v.aval.dtype) else v.val
+  """A jaxpr literal as a NumPy constant of its declared dtype (a key literal as it is).
+
+  In a region's forward pass (`constants_apart`), a floating scalar comes
+  through an optimization barrier, so that XLA does not merge it with the
+  same constant of the backward pass (see `regions`).
+  """
+  if not is_plain(v.aval.dtype):
+    return v.val
+  value = np.asarray(v.val, v.aval.dtype)
+  if _APART.get() and not value.ndim and jnp.issubdtype(value.dtype, jnp.floating):
+    return lax.optimization_barrier(value)
+  return value
+
+
+# Set while a region's forward pass is traced: its scalar constants are its own.
+_APART: contextvars.ContextVar[bool] = contextvars.ContextVar("autocast_apart", default=False)
+
+
+@contextlib.contextmanager
+def constants_apart() -> Any:
+  """Traces a region's forward pass, its floating scalar constants kept from XLA's CSE."""
+  token = _APART.set(True)
+  try:
+    yield
+  finally:
+    _APART.reset(token)
 
 
 # -- dtypes of the values the interpreter holds.
