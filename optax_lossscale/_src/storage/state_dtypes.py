@@ -245,8 +245,8 @@ def state_dtypes(
     """Each quantized leaf's block extremes, by path: one reduction over the blocks of
     the leaves of one parameter (Adam's two moments: their paths differ only in a
     field name, `mu` and `nu`), which XLA:CPU computes in one pass reading their
-    inputs (the gradient) once. (One reduction of all the leaves of a layout,
-    with an accumulator per leaf, runs slower than one per parameter.)"""
+    inputs (the gradient) once; the parameters' reductions are independent of
+    each other, with two accumulators a leaf."""
     groups: dict[Any, list[tuple[str, jax.Array]]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
       if isinstance(storage(path, leaf), str):
