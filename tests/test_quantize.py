@@ -432,7 +432,7 @@ class StateDtypesTest(parameterized.TestCase):
     # removal, so the params' loop, which reads the old codes, was not ordered
     # before the codes' loops that overwrite them). Now one reduction for both
     # moments' block extremes, then the params, then each moment's codes, ordered
-    # by a data dependency: the gradient read four times, no copy, 32.5 bytes a
+    # by a data dependency: the gradient read four times, no copy, 32.4 bytes a
     # parameter (x2.02).
     if jax.default_backend() != "cpu":
       self.skipTest("XLA:CPU's fusion and cost analysis; XLA:GPU fuses multiple outputs")
