@@ -20,6 +20,16 @@ And two moments:
   same process, with JAX's caches warm (what a second `jit` wrapper, a new
   static argument or a re-run notebook cell costs).
 
+And a floor: `autocast` reads the function as a jaxpr, so its first trace
+includes tracing the loss once more (`jax.make_jaxpr`, in a fresh process);
+float32's first trace plus that one (`loss jaxpr`) is what any interpreter
+of the jaxpr pays before it adds anything, and `vs floor` is autocast's first
+trace against it (per round).
+
+`--calls` counts instead the Python function calls each trace makes
+(`cProfile`, one fresh process per variant): the same on every run, where
+times on a shared machine vary by a tenth from round to round.
+
 Times are the tracing process's CPU seconds (`time.process_time`): tracing is
 single-threaded Python, and on a shared machine wall time also counts the
 neighbours. Variants interleaved per round, medians of per-round ratios. Run:
@@ -30,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+import cProfile
 import json
+import pstats
 import statistics
 import subprocess
 import sys
@@ -48,6 +60,7 @@ import optax_lossscale as ols
 
 POLICIES = {"float32": None, "autocast bf16": "p=f32,c=bf16,o=f32"}
 FORMS = ("unrolled", "jitted blocks", "nn.scan", "lax.scan")
+FLOOR = "loss jaxpr"  # the loss traced to a jaxpr alone (first trace only)
 
 
 class _ScannedBlock(nn.Module):
@@ -104,11 +117,16 @@ class LM(nn.Module):
     return embed.attend(nn.LayerNorm()(x))
 
 
-def make_step(model: LM, policy: str | None) -> Callable[..., Any]:
+def make_loss(model: LM) -> Callable[..., Any]:
   def loss(params: Any, tokens: jax.Array) -> jax.Array:
     logits = model.apply({"params": params}, tokens).astype(jnp.float32)
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens))
 
+  return loss
+
+
+def make_step(model: LM, policy: str | None) -> Callable[..., Any]:
+  loss = make_loss(model)
   loss_fn = loss if policy is None else ols.autocast(loss, policy)
   tx = optax.adam(1e-3)
 
@@ -135,15 +153,49 @@ def _trace_seconds(model: LM, policy: str | None, args: tuple[Any, ...]) -> floa
   return time.process_time() - start
 
 
+def _jaxpr_seconds(model: LM, args: tuple[Any, ...]) -> float:
+  """The loss (no derivative, no optimizer) traced to a jaxpr, as `autocast` reads it."""
+  params, _, tokens = args
+  loss = make_loss(model)
+  start = time.process_time()
+  jax.make_jaxpr(loss)(params, tokens)
+  return time.process_time() - start
+
+
 def _first_in_fresh_process(layers: int, form: str, variant: str) -> float:
   code = f"from benchmarks.autocast_trace import _one; print(_one({layers}, {form!r}, {variant!r}))"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   return float(out.stdout.strip().splitlines()[-1])
 
 
-def _one(layers: int, form: str, variant: str) -> float:
+def _one(layers: int, form: str, variant: str, calls: bool = False) -> float:
+  """The first trace's CPU seconds, or with `calls` its Python function calls."""
   model, args = _setup(layers, form)
-  return _trace_seconds(model, POLICIES[variant], args)
+  trace = lambda: (
+    _jaxpr_seconds(model, args)
+    if variant == FLOOR
+    else _trace_seconds(model, POLICIES[variant], args)
+  )
+  if not calls:
+    return trace()
+  profile = cProfile.Profile()
+  profile.runcall(trace)
+  return float(sum(row[1] for row in pstats.Stats(profile).stats.values()))
+
+
+def call_counts(layers: int, forms: tuple[str, ...]) -> dict[str, dict[str, float]]:
+  """Python function calls of each first trace (fresh processes), by form and variant."""
+  out = {}
+  for form in forms:
+    out[form] = {}
+    for variant in [*POLICIES, FLOOR]:
+      code = (
+        "from benchmarks.autocast_trace import _one;"
+        f" print(_one({layers}, {form!r}, {variant!r}, calls=True))"
+      )
+      run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+      out[form][variant] = float(run.stdout.strip().splitlines()[-1])
+  return out
 
 
 def measure(layers: int, rounds: int, forms: tuple[str, ...] = FORMS) -> dict[str, Any]:
@@ -154,19 +206,29 @@ def measure(layers: int, rounds: int, forms: tuple[str, ...] = FORMS) -> dict[st
     again: dict[str, list[float]] = {k: [] for k in POLICIES}
     for name in POLICIES:  # warm JAX's caches of the model's helpers once
       _trace_seconds(model, POLICIES[name], args)
+    jaxpr: list[float] = []
     for _ in range(rounds):
       for name, policy in POLICIES.items():
         first[name].append(_first_in_fresh_process(layers, form, name))
         again[name].append(_trace_seconds(model, policy, args))
+      jaxpr.append(_first_in_fresh_process(layers, form, FLOOR))
     per_round = lambda d, k: [a / b for a, b in zip(d[k], d["float32"], strict=True)]
+    floor = [f + j for f, j in zip(first["float32"], jaxpr, strict=True)]
     out[form] = {
       name: {
         "first s": statistics.median(first[name]),
         "first x": statistics.median(per_round(first, name)),
         "re-trace s": statistics.median(again[name]),
         "re-trace x": statistics.median(per_round(again, name)),
+        "first vs floor": statistics.median(a / b for a, b in zip(first[name], floor, strict=True)),
       }
       for name in POLICIES
+    }
+    out[form][FLOOR] = {
+      "first s": statistics.median(jaxpr),
+      "floor x": statistics.median(
+        b / f for b, f in zip(floor, first["float32"], strict=True)
+      ),  # float32's first trace plus the jaxpr, against float32's
     }
   return out
 
@@ -180,18 +242,38 @@ def main() -> None:
     "--forms", nargs="+", choices=FORMS, default=list(FORMS), help="the model forms to trace"
   )
   parser.add_argument("--json", help="write the results to this file")
+  parser.add_argument(
+    "--calls", action="store_true", help="count the first traces' Python function calls"
+  )
   args = parser.parse_args()
   layers, rounds = (2, 1) if args.quick else (args.layers, args.rounds)
+  if args.calls:
+    counts = call_counts(layers, tuple(args.forms))
+    print(f"first trace, Python function calls, GPT LM with {layers} layers")
+    for form, row in counts.items():
+      f32, floor = row["float32"], row["float32"] + row[FLOOR]
+      for variant, n in row.items():
+        print(f"{form:15}{variant:15}{n:10.0f}  x{n / f32:.2f} of float32")
+      print(f"{form:15}{'floor':15}{floor:10.0f}  x{floor / f32:.2f} of float32")
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"layers": layers, "calls": counts}, f, indent=2)
+    return
   out = measure(layers, rounds, tuple(args.forms))
   print(f"train step trace, GPT LM with {layers} layers ({rounds} rounds, medians)")
-  print(f"{'form':15}{'variant':15}{'first (s)':>11}{'vs f32':>8}{'re-trace (s)':>14}{'vs f32':>8}")
+  print(
+    f"{'form':15}{'variant':15}{'first (s)':>11}{'vs f32':>8}{'vs floor':>10}"
+    f"{'re-trace (s)':>14}{'vs f32':>8}"
+  )
   for form in args.forms:
     for name in POLICIES:
       r = out[form][name]
       print(
-        f"{form:15}{name:15}{r['first s']:11.2f}{r['first x']:8.2f}{r['re-trace s']:14.2f}"
-        f"{r['re-trace x']:8.2f}"
+        f"{form:15}{name:15}{r['first s']:11.2f}{r['first x']:8.2f}{r['first vs floor']:10.2f}"
+        f"{r['re-trace s']:14.2f}{r['re-trace x']:8.2f}"
       )
+    r = out[form][FLOOR]
+    print(f"{form:15}{FLOOR:15}{r['first s']:11.2f}   (floor: float32 + it = x{r['floor x']:.2f})")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=2)

@@ -269,6 +269,11 @@ def test_autocast_trace_benchmark_times_every_form(capsys):
     model, args = autocast_trace._setup(2, form)
     for policy in autocast_trace.POLICIES.values():
       assert autocast_trace._trace_seconds(model, policy, args) > 0
+    # The floor's trace is the loss alone: a scalar, no derivative in it.
+    params, _, tokens = args
+    jaxpr = jax.make_jaxpr(autocast_trace.make_loss(model))(params, tokens)
+    assert [v.aval.shape for v in jaxpr.jaxpr.outvars] == [()]
+    assert autocast_trace._jaxpr_seconds(model, args) > 0
 
 
 @pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")
