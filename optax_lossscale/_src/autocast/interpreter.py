@@ -163,7 +163,12 @@ class Context:
   def _key(self) -> tuple[Any, ...]:
     rules = tuple(sorted(self.rules.items()))
     return (
-      self.compute_dtype, rules, self.fusible, self.fp8, self.fp8_products, self.unknown_primitives
+      self.compute_dtype,
+      rules,
+      self.fusible,
+      self.fp8,
+      self.fp8_products,
+      self.unknown_primitives,
     )
 
   def __hash__(self) -> int:
@@ -353,7 +358,20 @@ def constants_apart() -> Any:
 
 def is_plain(dtype: Any) -> bool:
   """A NumPy dtype, not an extended one (PRNG keys)."""
-  return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+  return _classes(dtype)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _classes(dtype: Any) -> tuple[bool, bool, bool]:
+  """Whether `dtype` is plain (not extended), and then floating, complex; asked for
+  every value the interpreter reads, answered once per dtype."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return False, False, False
+  return (
+    True,
+    bool(jnp.issubdtype(dtype, jnp.floating)),
+    bool(jnp.issubdtype(dtype, jnp.complexfloating)),
+  )
 
 
 def dtype_of(value: Any) -> Any:
@@ -363,18 +381,16 @@ def dtype_of(value: Any) -> Any:
 
 def is_float(value: Any) -> bool:
   """Floating or complex (never an extended dtype such as a PRNG key's)."""
-  dtype = dtype_of(value)
-  return is_plain(dtype) and jnp.issubdtype(dtype, jnp.inexact)
+  _, floating, complex_ = _classes(dtype_of(value))
+  return floating or complex_
 
 
 def is_real_float(value: Any) -> bool:
-  dtype = dtype_of(value)
-  return is_plain(dtype) and jnp.issubdtype(dtype, jnp.floating)
+  return _classes(dtype_of(value))[1]
 
 
 def is_complex(value: Any) -> bool:
-  dtype = dtype_of(value)
-  return is_plain(dtype) and jnp.issubdtype(dtype, jnp.complexfloating)
+  return _classes(dtype_of(value))[2]
 
 
 def cast(value: Any, dtype: Any) -> Any:
