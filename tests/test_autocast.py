@@ -623,3 +623,31 @@ def test_compute_dtypes_autocast_cannot_run_are_refused():
     ols.autocast(lambda x: x @ x.T, ols.Policy(jnp.float32, jnp.float64, jnp.float32))
   with pytest.raises(ValueError, match=r"8-bit float.*fp8="):
     ols.autocast(lambda x: x @ x.T, ols.Policy(jnp.float32, jnp.float8_e4m3fn, jnp.float32))
+
+
+@pytest.mark.parametrize(
+  "dtype",
+  [
+    np.float16, jnp.bfloat16, np.float32, np.float64, jnp.float8_e4m3fn, jnp.float8_e5m2,
+    np.int8, np.uint32, np.bool_, np.complex64,
+  ],
+)  # fmt: skip
+def test_dtype_tests_answered_once_per_dtype_agree_with_jax(dtype):
+  from optax_lossscale._src.autocast import interpreter
+
+  x = np.zeros(3, dtype)
+  for _ in range(2):  # the second answer is the remembered one
+    assert interpreter.is_plain(x.dtype)
+    assert interpreter.is_float(x) == bool(jnp.issubdtype(dtype, jnp.inexact))
+    assert interpreter.is_real_float(x) == bool(jnp.issubdtype(dtype, jnp.floating))
+    assert interpreter.is_complex(x) == bool(jnp.issubdtype(dtype, jnp.complexfloating))
+
+
+def test_dtype_tests_call_a_prng_key_neither_plain_nor_float():
+  from optax_lossscale._src.autocast import interpreter
+
+  key = jax.random.key(0)
+  for _ in range(2):
+    assert not interpreter.is_plain(key.dtype)
+    assert not (interpreter.is_float(key) or interpreter.is_real_float(key))
+    assert not interpreter.is_complex(key)
