@@ -639,6 +639,7 @@ def test_dtype_tests_answered_once_per_dtype_agree_with_jax(dtype):
   for _ in range(2):  # the second answer is the remembered one
     assert interpreter.is_plain(x.dtype)
     assert interpreter.is_float(x) == bool(jnp.issubdtype(dtype, jnp.inexact))
+    assert interpreter.is_inexact_dtype(x.dtype) == bool(jnp.issubdtype(dtype, jnp.inexact))
     assert interpreter.is_real_float(x) == bool(jnp.issubdtype(dtype, jnp.floating))
     assert interpreter.is_complex(x) == bool(jnp.issubdtype(dtype, jnp.complexfloating))
 
@@ -650,4 +651,5 @@ def test_dtype_tests_call_a_prng_key_neither_plain_nor_float():
   for _ in range(2):
     assert not interpreter.is_plain(key.dtype)
     assert not (interpreter.is_float(key) or interpreter.is_real_float(key))
+    assert not interpreter.is_inexact_dtype(key.dtype)
     assert not interpreter.is_complex(key)

@@ -432,7 +432,7 @@ def _out_dtypes(fun: Callable[..., Sequence[Any]], args: Sequence[Any]) -> list[
 
 def _promote(*dtypes: Any) -> Any:
   """The dtype several floating dtypes meet in; a non-floating one (a key) stays as it is."""
-  if not all(interp.is_plain(d) and jnp.issubdtype(d, jnp.inexact) for d in dtypes):
+  if not all(interp.is_inexact_dtype(d) for d in dtypes):
     return dtypes[0]
   return np.dtype(functools.reduce(jnp.promote_types, dtypes))
 
@@ -456,7 +456,7 @@ def _with_settled_carry(
   """
   dtypes = [interp.dtype_of(v) for v in init]
   settled = all(
-    not _is_inexact(d) or (d == np.dtype(a.dtype) and d.itemsize >= 4)
+    not interp.is_inexact_dtype(d) or (d == np.dtype(a.dtype) and d.itemsize >= 4)
     for d, a in zip(dtypes, declared, strict=True)
   )
   if settled:
@@ -465,10 +465,6 @@ def _with_settled_carry(
     if all(_promote(d, o) == d for row in seen for d, o in zip(dtypes, row, strict=True)):
       return outs
   return run(settle(), [])
-
-
-def _is_inexact(dtype: Any) -> bool:
-  return interp.is_plain(dtype) and jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _carry_dtypes(body: Callable[[list[Any]], Sequence[Any]], init: Sequence[Any]) -> list[Any]:

@@ -163,12 +163,7 @@ class Context:
   def _key(self) -> tuple[Any, ...]:
     rules = tuple(sorted(self.rules.items()))
     return (
-      self.compute_dtype,
-      rules,
-      self.fusible,
-      self.fp8,
-      self.fp8_products,
-      self.unknown_primitives,
+      self.compute_dtype, rules, self.fusible, self.fp8, self.fp8_products, self.unknown_primitives
     )
 
   def __hash__(self) -> int:
@@ -379,10 +374,15 @@ def dtype_of(value: Any) -> Any:
   return np.result_type(value) if dtype is None else dtype
 
 
+def is_inexact_dtype(dtype: Any) -> bool:
+  """`dtype` floating or complex (never an extended dtype such as a PRNG key's)."""
+  _, floating, complex_ = _classes(dtype)
+  return floating or complex_
+
+
 def is_float(value: Any) -> bool:
   """Floating or complex (never an extended dtype such as a PRNG key's)."""
-  _, floating, complex_ = _classes(dtype_of(value))
-  return floating or complex_
+  return is_inexact_dtype(dtype_of(value))
 
 
 def is_real_float(value: Any) -> bool:
