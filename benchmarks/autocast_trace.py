@@ -162,8 +162,11 @@ def _jaxpr_seconds(model: LM, args: tuple[Any, ...]) -> float:
   return time.process_time() - start
 
 
-def _first_in_fresh_process(layers: int, form: str, variant: str) -> float:
-  code = f"from benchmarks.autocast_trace import _one; print(_one({layers}, {form!r}, {variant!r}))"
+def _first_in_fresh_process(layers: int, form: str, variant: str, calls: bool = False) -> float:
+  code = (
+    "from benchmarks.autocast_trace import _one;"
+    f" print(_one({layers}, {form!r}, {variant!r}, calls={calls}))"
+  )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   return float(out.stdout.strip().splitlines()[-1])
 
@@ -185,17 +188,10 @@ def _one(layers: int, form: str, variant: str, calls: bool = False) -> float:
 
 def call_counts(layers: int, forms: tuple[str, ...]) -> dict[str, dict[str, float]]:
   """Python function calls of each first trace (fresh processes), by form and variant."""
-  out = {}
-  for form in forms:
-    out[form] = {}
-    for variant in [*POLICIES, FLOOR]:
-      code = (
-        "from benchmarks.autocast_trace import _one;"
-        f" print(_one({layers}, {form!r}, {variant!r}, calls=True))"
-      )
-      run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-      out[form][variant] = float(run.stdout.strip().splitlines()[-1])
-  return out
+  return {
+    form: {v: _first_in_fresh_process(layers, form, v, calls=True) for v in [*POLICIES, FLOOR]}
+    for form in forms
+  }
 
 
 def measure(layers: int, rounds: int, forms: tuple[str, ...] = FORMS) -> dict[str, Any]:

@@ -274,6 +274,10 @@ def test_autocast_trace_benchmark_times_every_form(capsys):
     jaxpr = jax.make_jaxpr(autocast_trace.make_loss(model))(params, tokens)
     assert [v.aval.shape for v in jaxpr.jaxpr.outvars] == [()]
     assert autocast_trace._jaxpr_seconds(model, args) > 0
+  # --calls: a whole number of calls per trace, in a fresh process.
+  calls = autocast_trace.call_counts(2, ("lax.scan",))["lax.scan"]
+  assert set(calls) == {*autocast_trace.POLICIES, autocast_trace.FLOOR}
+  assert all(n > 0 and n == int(n) for n in calls.values()), calls
 
 
 @pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")
