@@ -295,6 +295,7 @@ def master_weights(
     stepped = treedef.flatten_up_to(stepped)
     updates = [None] * len(leaves) if updates is None else treedef.flatten_up_to(updates)
     new_params, own_updates, new_master = [], [], []
+    previous: list[jax.Array] = []
     for p, m, s, u in zip(leaves, masters, stepped, updates, strict=True):
       if m is None:
         new_params.append(s)
@@ -304,8 +305,13 @@ def master_weights(
         new_master.append(s)
       else:
         # Computed once into a buffer, which both halves read: each half recomputing it
-        # would read the old parameter and remainder that the other overwrites.
-        param, remainder = rounding.split_bfloat16(schedule.materialized(s))
+        # would read the old parameter and remainder that the other overwrites. One
+        # leaf after another (after the previous remainder, written by a loop of its
+        # own): only one leaf's 32-bit buffer is live at a time.
+        s = schedule.materialized(schedule.after(s, previous))
+        param, remainder = rounding.split_bfloat16(s)
+        remainder = schedule.materialized(remainder)
+        previous = [remainder]
         new_params.append(param)
         new_master.append(remainder)
       own_updates.append(u if m is None else None)

@@ -35,11 +35,13 @@ through memory.
 What they leave (jax 0.10's XLA:CPU, one Adam step on 4 bfloat16 matrices):
 the remainder moves 48 B/param, the least with one loop per output, since
 both halves read the old parameter and remainder: 32 bits per parameter held
-in between, written to fresh memory and read twice, keep it at about 1.2-1.5
-times `master_weights()`'s time. Those buffers, of every leaf at once under
-XLA:CPU's scheduler, pass glibc's 32 MiB mmap threshold from 8M parameters on
-and are then faulted in afresh every step (at 16M, about x2; ordering the
-leaves one after another halves them but costs more at 4M). A variadic reduce
+in between, written and read twice. Left to XLA:CPU's scheduler, every leaf's
+buffer is live at once, and from 8M parameters on the allocator hands them
+back and faults them in afresh every step (at 16M, x1.8 of
+`master_weights()`'s time); ordered one leaf after another (`after` the
+previous leaf's remainder, which `materialized` writes in a loop of its own:
+an OR-reduction, which XLA never duplicates into the one-element read), one
+leaf's buffer is reused, at x1.07-1.13 of that time at 4M and 16M. A variadic reduce
 computes both halves in one loop, but XLA writes neither output in place
 (copies: 44 B/param, no faster). Stochastic rounding's one-element reads
 count in XLA's cost analysis as reads of the whole parameter (a bfloat16
@@ -68,11 +70,13 @@ def _on_cpu(x: Any, on_cpu: Any) -> Any:
 
 def _materialize_bits(x: jax.Array) -> jax.Array:
   # On the bits: XLA:CPU computes some 16-bit floating operations in float32, which
-  # would make a NaN's payload canonical.
-  bits = jax.lax.bitcast_convert_type(x, _unsigned(x.dtype))
+  # would make a NaN's payload canonical. An integer array is ORed as it is: a
+  # conversion of the result, were it an output, would be a loop of its own.
+  integer = jnp.issubdtype(x.dtype, jnp.integer)
+  bits = x if integer else jax.lax.bitcast_convert_type(x, _unsigned(x.dtype))
   stacked = jnp.stack([bits, jnp.zeros_like(bits)])
   out = jax.lax.reduce(stacked, np.zeros((), bits.dtype), jax.lax.bitwise_or, (0,))
-  return jax.lax.bitcast_convert_type(out, x.dtype)
+  return out if integer else jax.lax.bitcast_convert_type(out, x.dtype)
 
 
 def materialized(x: jax.Array) -> jax.Array:
