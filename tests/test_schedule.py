@@ -99,7 +99,7 @@ def test_on_cpu_the_remainder_holds_one_leafs_master_at_a_time():
   # Each leaf's new master is computed into a buffer of 4 B/param, which its parameter
   # and remainder read; the next leaf's waits for this leaf's remainder, so XLA reuses
   # one buffer: 4 MiB here, where it held all four at once before (16 MiB; at 16M
-  # parameters, 64 MiB that the allocator faulted in afresh every step, x1.8 the time).
+  # parameters, 64 MiB that the allocator faulted in afresh every step, x1.96 the time).
   compiled = _compiled(ols.master_weights(optax.adam(1e-3), store="remainder"))[0]
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert 4 * 1024 * 1024 <= temp < 5 * 1024 * 1024

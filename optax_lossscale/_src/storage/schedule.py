@@ -37,11 +37,11 @@ the remainder moves 48 B/param, the least with one loop per output, since
 both halves read the old parameter and remainder: 32 bits per parameter held
 in between, written and read twice. Left to XLA:CPU's scheduler, every leaf's
 buffer is live at once, and from 8M parameters on the allocator hands them
-back and faults them in afresh every step (at 16M, x1.8 of
+back and faults them in afresh every step (at 16M, x1.96 of
 `master_weights()`'s time); ordered one leaf after another (`after` the
 previous leaf's remainder, which `materialized` writes in a loop of its own:
 an OR-reduction, which XLA never duplicates into the one-element read), one
-leaf's buffer is reused, at x1.07-1.13 of that time at 4M and 16M. A variadic reduce
+leaf's buffer is reused: x1.13 of that time at 4M, x1.23 at 16M. A variadic reduce
 computes both halves in one loop, but XLA writes neither output in place
 (copies: 44 B/param, no faster). Stochastic rounding's one-element reads
 count in XLA's cost analysis as reads of the whole parameter (a bfloat16
