@@ -163,7 +163,12 @@ class Context:
   def _key(self) -> tuple[Any, ...]:
     rules = tuple(sorted(self.rules.items()))
     return (
-      self.compute_dtype, rules, self.fusible, self.fp8, self.fp8_products, self.unknown_primitives
+      self.compute_dtype,
+      rules,
+      self.fusible,
+      self.fp8,
+      self.fp8_products,
+      self.unknown_primitives,
     )
 
   def __hash__(self) -> int:
