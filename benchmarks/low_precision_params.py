@@ -363,7 +363,8 @@ def compiled_update(variant: Variant, params: Any, grads: Any) -> tuple[Any, Any
   the unused arguments are kept (`keep_unused`): `master_weights`' update
   never reads the old bfloat16 parameters, which `jit` would otherwise drop
   with their donation, and XLA:CPU would write the new ones to fresh memory
-  every step (8 MiB of page faults a step per 2048 x 2048 leaf).
+  every step (2,049 page faults a step, 8 MiB, measured on 4 leaves of
+  2048 x 2048).
   """
   cast = lambda t: jax.tree.map(lambda x: jnp.array(x, variant.dtype, copy=True), t)
   p = cast(params)
