@@ -180,6 +180,23 @@ class LayoutTest(parameterized.TestCase):
     self.assertEqual(int(q.codes[255]), 255)  # unsigned: all 8 bits for the magnitude
     self.assertEqual(int(q.codes[511]), 0x80 | 127)
 
+  def test_every_q8_code_decodes_to_its_table_value(self):
+    # All 256 codes of one block, for each kind of scale: unsigned (all 8 bits the
+    # magnitude), signed (0x80 the sign: 0x80 itself is -0.0), zero of either sign
+    # (a block stored as zeros), and a scale at float32's top.
+    codes = jnp.asarray(np.arange(256, dtype=np.uint8))
+    table = {255: code_values(255), 127: code_values(127)}
+    for scale in (1.5, -1.5, 0.0, -0.0, 3e38, -3e38):
+      got = np.asarray(quantize.decode(codes, jnp.float32([scale])))
+      magnitude = np.float32(abs(scale))
+      if np.signbit(scale) and scale != 0:
+        want = (table[127][np.arange(256) & 0x7F] * magnitude).astype(np.float32)
+        want = np.where(np.arange(256) >= 0x80, -want, want)
+      else:
+        want = (table[255] * magnitude).astype(np.float32)
+      np.testing.assert_array_equal(got, want)
+      np.testing.assert_array_equal(np.signbit(got), np.signbit(want), err_msg=str(scale))
+
   def test_zeros_nans_infinities_and_negligible_blocks(self):
     x = np.zeros((5, 256), np.float32)
     x[1, 5], x[2, 9] = np.nan, np.inf

@@ -73,7 +73,7 @@ _FP8_MAX = 448.0
 # code of a block's largest magnitude, before the offset to its top code.
 _ONE = 0x3F8
 _SHIFT = 20  # float32's mantissa bits below the 3 kept
-_SIGNED, _UNSIGNED = 127, 255  # top codes
+_UNSIGNED = 255  # the top code of an unsigned block (127 for a signed one)
 _NEGLIGIBLE = 2.0**-100  # a block below this largest magnitude is stored as zeros
 _SALT = np.uint32(0x9E3779B9)  # the hash's second word (any odd constant)
 _GOLDEN = np.uint32(0x9E3779B1)  # 2**32 / the golden ratio, odd: each element's hash
@@ -280,21 +280,21 @@ def encode_array(
     word = noise_word(count, salt)
   noise = _noise(v, word)
   magnitude = jnp.abs(v)
-  # Each element reads one number of its block (a load per element, which the
-  # elementwise work around it hides): the multiplier that takes the block's
-  # largest to the top, 448 for e4m3 and 256 for 'q8' (the top code's value times
-  # 2**8: the multiplier then stays a normal float32 for a largest up to 3.4e38,
-  # where 1 / largest is a subnormal, flushed to zero, above 2**126), 0 for a
-  # block stored as zeros, negative for a signed 'q8' block. A product with a
+  # Each element reads numbers of its block, computed once per block (`materialized`)
+  # and loaded (a load per element, which the elementwise work around it hides;
+  # computed from the block's extremes in every element's loop, they cost 10% of a
+  # q8 Adam step): the multiplier that takes the block's largest to the top, 448
+  # for e4m3 and 256 for 'q8' (the top code's value times 2**8: the multiplier
+  # then stays a normal float32 for a largest up to 3.4e38, where 1 / largest is
+  # a subnormal, flushed to zero, above 2**126), 0 for a block stored as zeros;
+  # and for 'q8' the sign bit of a signed block's codes. A product with a
   # reciprocal lands within an ulp of the top: pinned to it (above e4m3's 448,
   # the rounding could reach 480, a NaN). A nonzero value that the product
   # flushes to zero still counts as nonzero.
   top_value = np.float32(_FP8_MAX if fmt == "fp8" else 2.0**8)
   multiplier = jnp.where(kept, top_value / jnp.where(kept, largest, 1.0), 0.0)
-  if fmt == "q8":
-    multiplier = jnp.where(signed, -multiplier, multiplier)
   per_block = expand(schedule.materialized(multiplier))
-  ratio = magnitude * jnp.abs(per_block)
+  ratio = magnitude * per_block
   near_top = np.nextafter(top_value, np.float32(0))
   ratio = jnp.where(ratio >= near_top, top_value, ratio)
   nonzero = (magnitude > 0) & (per_block != 0)
@@ -311,10 +311,12 @@ def encode_array(
     codes = jax.lax.bitcast_convert_type(view.back(bits), jnp.float8_e4m3fn)
     scales = jnp.where(kept, largest / _FP8_MAX, largest)  # 0, or NaN for a non-finite block
     return QuantizedArray(_resharded(codes, sharding), scales, count)
-  signed_here = per_block < 0
-  top = jnp.where(signed_here, _SIGNED, _UNSIGNED)
-  m = jnp.where(nonzero, jnp.clip(above - (_ONE + 8 * 8 - top), 1, top), 0)
-  codes = jnp.where(signed_here & negative, m | 0x80, m).astype(jnp.uint8)
+  # The sign bit of a signed block's codes (0x80), 0 for an unsigned block: its top
+  # code is 255 with the bit cleared.
+  sign_bit = expand(schedule.materialized(jnp.where(signed & kept, 0x80, 0)))
+  top = _UNSIGNED ^ sign_bit
+  m = jnp.where(nonzero, jnp.clip(above - (_ONE + 8 * 8) + top, 1, top), 0)
+  codes = (m | jnp.where(negative, sign_bit, 0)).astype(jnp.uint8)
   scales = jnp.where(signed, -largest, largest)
   return QuantizedArray(_resharded(view.back(codes), sharding), scales, count)
 
@@ -361,10 +363,10 @@ def dequantize(q: QuantizedArray) -> jax.Array:
 @jax.jit  # compiled, as `block_extremes_of`
 def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
   """The float32 array of a `QuantizedArray`'s `codes` and `scales`, elementwise but for
-  one load of the block's scale per element."""
+  loads of numbers of the element's block (the scale; for 'q8', its magnitude and
+  its sign's, each computed once per block)."""
   codes, sharding = _rows_unsharded(codes)
   view = _view(codes)
-  scale = view.expand(scales)
   if np.dtype(codes.dtype) == _FP8:
     # float32's bits from e4m3's (cheaper than XLA:CPU's conversion): the exponent
     # rebiased (7 -> 127), or a subnormal's mantissa times 2**-9.
@@ -373,16 +375,20 @@ def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
     normal = jax.lax.bitcast_convert_type(
       ((e + (127 - 7)) << 23 | m << 20).astype(jnp.uint32), jnp.float32
     )
-    value = jnp.where(e > 0, normal, m.astype(jnp.float32) * 2.0**-9) * scale
+    value = jnp.where(e > 0, normal, m.astype(jnp.float32) * 2.0**-9) * view.expand(scales)
     value = jnp.where(c >= 0x80, -value, value)
     return _resharded(view.back(value), sharding)
+  # Per element, the block's sign bit (0x80 where signed, else 0) and the scale's
+  # magnitude, each computed once per block (`materialized`) and loaded: a code's
+  # magnitude is its low 7 bits (signed) or all 8, counted down from the top code,
+  # 127 or 255; code 0 (0x80 signed) is zero, of the code's sign.
   c = view.values.astype(jnp.int32)
-  signed = scale < 0
-  m = jnp.where(signed, c & 0x7F, c)
-  bits = (m + (_ONE - jnp.where(signed, _SIGNED, _UNSIGNED))) << _SHIFT
+  sign_bit = view.expand(schedule.materialized(jnp.where(scales < 0, 0x80, 0)))
+  m = c & (sign_bit ^ 0xFF)
+  sign = (c & sign_bit) << 24
+  bits = jnp.where(m > 0, (m + (_ONE - _UNSIGNED) + sign_bit) << _SHIFT | sign, sign)
   value = jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
-  value = jnp.where(m > 0, value, 0.0) * jnp.abs(scale)
-  value = jnp.where(signed & (c >= 0x80), -value, value)
+  value = value * view.expand(schedule.materialized(jnp.abs(scales)))
   return _resharded(view.back(value), sharding)
 
 
