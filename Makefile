@@ -31,10 +31,14 @@ EXAMPLE_TESTS := $(addprefix tests/,test_demo.py test_skip_bad_steps_demo.py \
 # (CI runs it too), to stay under 10 minutes on 2 cores: the autocast corpus
 # (about 850 real JAX functions in float16 and bfloat16), the third-party
 # libraries under autocast (Equinox's primitives, diffrax, e3nn-jax), the
-# whole models under autocast (test_autocast_models.py: about a minute) and the
-# simulated 8-device sessions.
+# whole models under autocast (test_autocast_models.py: about a minute), fp8
+# autocast (test_fp8_autocast.py: a small GPT trained with every product in
+# fp8 among them, a minute), the suite collected without flax installed
+# (test_flax_optional.py, a subprocess: 17 s) and the simulated 8-device
+# sessions.
 EXTENDED_TESTS := $(addprefix tests/,test_autocast_corpus.py test_autocast_corpus_bf16.py \
-  test_autocast_libraries.py test_autocast_models.py test_multi_device.py)
+  test_autocast_libraries.py test_autocast_models.py test_fp8_autocast.py \
+  test_flax_optional.py test_multi_device.py)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
