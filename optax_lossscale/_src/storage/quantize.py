@@ -282,8 +282,8 @@ def encode_array(
   magnitude = jnp.abs(v)
   # Each element reads numbers of its block, computed once per block (`materialized`)
   # and loaded (a load per element, which the elementwise work around it hides;
-  # computed from the block's extremes in every element's loop, they cost 10% of a
-  # q8 Adam step): the multiplier that takes the block's largest to the top, 448
+  # computed from the block's extremes in every element's loop, they cost about 10%
+  # of a q8 Adam step on XLA:CPU): the multiplier that takes the block's largest to the top, 448
   # for e4m3 and 256 for 'q8' (the top code's value times 2**8: the multiplier
   # then stays a normal float32 for a largest up to 3.4e38, where 1 / largest is
   # a subnormal, flushed to zero, above 2**126), 0 for a block stored as zeros;
@@ -311,14 +311,21 @@ def encode_array(
     codes = jax.lax.bitcast_convert_type(view.back(bits), jnp.float8_e4m3fn)
     scales = jnp.where(kept, largest / _FP8_MAX, largest)  # 0, or NaN for a non-finite block
     return QuantizedArray(_resharded(codes, sharding), scales, count)
-  # The sign bit of a signed block's codes (0x80), 0 for an unsigned block: its top
-  # code is 255 with the bit cleared.
-  sign_bit = expand(schedule.materialized(jnp.where(signed & kept, 0x80, 0)))
+  scales = jnp.where(signed, -largest, largest)
+  # A signed block's top code is 255 with the sign bit cleared.
+  sign_bit = expand(_sign_bits(scales))
   top = _UNSIGNED ^ sign_bit
   m = jnp.where(nonzero, jnp.clip(above - (_ONE + 8 * 8) + top, 1, top), 0)
   codes = (m | jnp.where(negative, sign_bit, 0)).astype(jnp.uint8)
-  scales = jnp.where(signed, -largest, largest)
   return QuantizedArray(_resharded(view.back(codes), sharding), scales, count)
+
+
+def _sign_bits(scales: jax.Array) -> jax.Array:
+  """Per block of 'q8', the sign bit of its codes: 0x80 where the block is signed (its
+  scale negative; -0.0, a block stored as zeros, and NaN are not), else 0; int32, computed
+  once into a buffer of its own on XLA:CPU (`schedule.materialized`), whatever the
+  default integer width (`jax_enable_x64`)."""
+  return schedule.materialized(jnp.where(scales < 0, np.int32(0x80), np.int32(0)))
 
 
 def noise_word(count: Any, salt: Any) -> jax.Array:
@@ -383,7 +390,7 @@ def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
   # magnitude is its low 7 bits (signed) or all 8, counted down from the top code,
   # 127 or 255; code 0 (0x80 signed) is zero, of the code's sign.
   c = view.values.astype(jnp.int32)
-  sign_bit = view.expand(schedule.materialized(jnp.where(scales < 0, 0x80, 0)))
+  sign_bit = view.expand(_sign_bits(scales))
   m = c & (sign_bit ^ 0xFF)
   sign = (c & sign_bit) << 24
   bits = jnp.where(m > 0, (m + (_ONE - _UNSIGNED) + sign_bit) << _SHIFT | sign, sign)
