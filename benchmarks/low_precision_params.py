@@ -48,7 +48,7 @@ small-shaped model (124M parameters), counted from the shapes of the
 parameters and of `tx.init`'s state (`bytes_table`).
 
 `python -m benchmarks.low_precision_params [--quick] [--seeds K] [--out DIR]
-[--only regression,digits,lm,update,bytes]`.
+[--only regression,digits,lm,update,bytes] [--update-side N] [--tag T]`.
 """
 
 from __future__ import annotations
@@ -662,6 +662,11 @@ def main(argv: list[str] | None = None) -> None:
     default=1024,
     help="the update part's 4 matrices are this square (1024: 4M parameters, 2048: 16M)",
   )
+  parser.add_argument(
+    "--tag",
+    default="",
+    help="written as low_precision_params-<backend>-<tag>.json/.md (runs kept side by side)",
+  )
   args = parser.parse_args(argv)
   start = time.perf_counter()
   only = None if args.only is None else set(args.only.split(","))
@@ -673,7 +678,7 @@ def main(argv: list[str] | None = None) -> None:
   print(f"total {time.perf_counter() - start:.0f} s")
   if args.out is not None:
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "-quick" if args.quick else ""
+    suffix = ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
     path = args.out / f"low_precision_params-{jax.default_backend()}{suffix}.json"
     path.write_text(json.dumps(report, indent=1))
     (path.with_suffix(".md")).write_text(table)

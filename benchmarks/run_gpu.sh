@@ -23,8 +23,15 @@
 # Writes gpu.json/png, gpu-cmdbuf.json/png, gpu-large.json, BENCHMARKS-gpu.md
 # (three result blocks), dispatch.txt (Python per dispatched call),
 # low_precision_params-gpu.json/md, autocast.json/md and fp8.json/md into OUT_DIR.
-# PARTS picks some of "default cmdbuf large dispatch lowprec autocast fp8" (each under
-# 10 minutes).
+# PARTS picks some of "default cmdbuf large dispatch lowprec update autocast fp8" (each
+# under 10 minutes; "update" is not in the default list, whose "lowprec" holds it at 4M).
+# Part "update" is the optimizer update alone at 16M and 256M parameters (4 matrices of
+# 2048 and 8192 square; every variant of low_precision_params' update table: time vs
+# bare Adam and master_weights, bytes held, bytes the compiled program accesses, the
+# minimum), written as low_precision_params-gpu-update-16M/-256M.json/md.
+# For the open issues' GPU figures first, in the order that keeps the most if a time
+# limit cuts the run short (each part's files are written when it ends):
+#   PARTS="update autocast default fp8" benchmarks/run_gpu.sh "$OUT"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out_dir="${1:-${OUT:-benchmarks/results}}"
@@ -53,9 +60,13 @@ for part in ${PARTS:-default cmdbuf large dispatch lowprec autocast fp8}; do
     autocast) "$py" -m benchmarks.autocast_bench --gpu-size --steps 100 \
       --out "$out_dir/autocast.json" | tee "$out_dir/autocast.md" ;;
     lowprec) "$py" -m benchmarks.low_precision_params --out "$out_dir" ;;
+    update) for side in 2048:16M 8192:256M; do
+        "$py" -m benchmarks.low_precision_params --only update --update-side "${side%%:*}" \
+          --tag "update-${side##*:}" --out "$out_dir"
+      done ;;
     fp8) "$py" -m benchmarks.fp8_autocast_bench --gpu --out "$out_dir/fp8.json" \
       | tee "$out_dir/fp8.md" ;;
-    *) echo "unknown part $part (default, cmdbuf, large, dispatch, lowprec, autocast, fp8)" >&2
+    *) echo "unknown part $part (default, cmdbuf, large, dispatch, lowprec, update, autocast, fp8)" >&2
       exit 2 ;;
   esac
 done

@@ -10,6 +10,7 @@ an H100 (`tests/data/adam_1M-*.hlo.txt`, from the GPU measurements).
 import doctest
 import importlib
 import importlib.util
+import json
 import pathlib
 import re
 
@@ -373,6 +374,20 @@ def test_low_precision_update_cost_and_bytes_table():
   text = lpp.markdown(report)
   assert "| master_weights, remainder | " in text and "| stochastic rounding, q8 moments | " in text
   assert "| hash, one round |" in text
+
+
+def test_low_precision_update_at_a_chosen_size_is_written_under_its_tag(tmp_path, capsys):
+  # What run_gpu.sh's part `update` does at 16M and 256M parameters, at a size a test affords.
+  from benchmarks import low_precision_params as lpp
+
+  lpp.main(
+    ["--only", "update", "--update-side", "64", "--tag", "update-16K", "--out", str(tmp_path)]
+  )
+  stem = tmp_path / f"low_precision_params-{jax.default_backend()}-update-16K"
+  report = json.loads(stem.with_suffix(".json").read_text())
+  assert report["update"]["params"] == 4 * 64 * 64
+  assert set(report["update"]["results"]) == set(lpp.update_variants())
+  assert "| Adam, float32 parameters |" in stem.with_suffix(".md").read_text()
 
 
 @pytest.mark.skipif(not _installed("torch"), reason="compares with PyTorch, not a dependency")
