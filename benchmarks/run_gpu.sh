@@ -13,8 +13,8 @@
 # (benchmarks/low_precision_params.py: final loss, bytes per parameter and step
 # time of master weights (a full copy or a 16-bit remainder), stochastic rounding,
 # 8-bit moments and Kahan against plain bfloat16; the optimizer update alone on
-# 1M parameters against bare Adam and master_weights; bytes per parameter of
-# the LM and of GPT-2 small's shapes),
+# 4M parameters (4 matrices of 1024 square) against bare Adam and master_weights;
+# bytes per parameter of the LM and of GPT-2 small's shapes),
 # autocast against hand casts and the model's own dtype= on the 186M LM
 # (benchmarks/autocast_bench.py: peak temporary memory and step time),
 # and fp8 autocast (benchmarks/fp8_autocast_bench.py --gpu: single GEMMs up to
