@@ -398,3 +398,20 @@ def test_autocast_vs_torch_benchmark_runs(capsys):
   assert list(report["rows"]) == list(autocast_vs_torch.QUICK)
   assert all(r["torch_finite"] and r["ours_finite"] for r in report["rows"].values())
   assert "| exp |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+  not (_installed("torch") and _installed("torchao")),
+  reason="compares with PyTorch and torchao, not dependencies",
+)
+def test_lowbit_optim_vs_torch_benchmark_runs(tmp_path, capsys):
+  from benchmarks import lowbit_optim_vs_torch as bench
+
+  out = bench.main(["--quick", "--out", str(tmp_path / "r.json")])
+  results = out["results"]
+  assert list(results) == [*bench._jax_variants(), *bench._torch_variants()]
+  # The same problem in both frameworks: PyTorch's float32 Adam lands on optax's.
+  assert results[bench.TORCH_BASE]["max_abs_from_optax_adam"] < 1e-5
+  assert results[bench.JAX_BASE]["vs_own_adam"] == results[bench.TORCH_BASE]["vs_own_adam"] == 1
+  assert json.loads((tmp_path / "r.json").read_text())["results"] == results
+  assert "| PyTorch | torchao Adam8bit, float32 |" in capsys.readouterr().out
