@@ -1,4 +1,4 @@
-"""8-bit Adam state and bfloat16 stochastic rounding against torchao's, on one CPU.
+"""8-bit Adam state and bfloat16 stochastic rounding against PyTorch's, on one CPU.
 
 bitsandbytes' and torchao's 8-bit optimizers are what a PyTorch user switches
 to in order to save optimizer memory; what they cost per step against their
@@ -19,17 +19,18 @@ absolute difference, against the largest distance optax's moved them):
            torch.optim.Adam (foreach, the default)
            torchao.optim.Adam8bit / AdamFp8             float32 params
            torchao.optim._AdamW(bf16_stochastic_round)  bfloat16 params
+           bitsandbytes.optim.Adam8bit                  float32 params (if installed)
 
 The JAX updates are `ols.apply_gradients` compiled with the params and the
 state donated (`low_precision_params.compiled_update`); the PyTorch ones
 `optimizer.step()` with the gradients set once. Both frameworks use both
 cores (XLA:CPU splits each loop; PyTorch's intra-op threads, `--threads`).
-bitsandbytes is left out: its 8-bit optimizers need a GPU.
+bitsandbytes runs where it is installed (0.50 steps its 8-bit Adam on the CPU).
 
 Not part of `make test` (PyTorch is no dependency of this project). Run it
 from a virtual environment holding both (torchao 0.18 wants torch >= 2.10):
 
-  python -m venv /tmp/tv && /tmp/tv/bin/pip install torch torchao
+  python -m venv /tmp/tv && /tmp/tv/bin/pip install torch torchao bitsandbytes
   /tmp/tv/bin/pip install -c constraints.txt -e .
   /tmp/tv/bin/python -m benchmarks.lowbit_optim_vs_torch [--side 2048] [--quick]
 """
@@ -90,6 +91,19 @@ def _torch_variants() -> dict[str, tuple[Any, Callable[[list[Any]], Any]]]:
       torch.bfloat16,
       lambda ps: tao._AdamW(ps, lr=LR, weight_decay=0.0, bf16_stochastic_round=True),
     ),
+    **_bitsandbytes_variants(),
+  }
+
+
+def _bitsandbytes_variants() -> dict[str, tuple[Any, Callable[[list[Any]], Any]]]:
+  """bitsandbytes' 8-bit Adam (blockwise, its CPU backend), where it is installed."""
+  try:
+    import bitsandbytes as bnb
+    import torch
+  except ImportError:
+    return {}
+  return {
+    "bitsandbytes Adam8bit, float32": (torch.float32, lambda ps: bnb.optim.Adam8bit(ps, lr=LR))
   }
 
 
@@ -198,7 +212,7 @@ def markdown(out: dict[str, Any]) -> str:
     "| --- | --- | --- | --- | --- |",
   ]
   for name, r in out["results"].items():
-    framework = "PyTorch" if name.startswith(("torch", "torchao")) else "JAX"
+    framework = "PyTorch" if name.startswith(("torch", "bitsandbytes")) else "JAX"
     lines.append(
       f"| {framework} | {name} | {r['ms']:.2f} | x{r['vs_own_adam']:.2f} |"
       f" {r['max_abs_from_optax_adam']:.2g} |"
