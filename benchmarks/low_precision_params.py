@@ -380,6 +380,13 @@ def bytes_accessed(compiled: Any) -> float:
   return float(cost["bytes accessed"])
 
 
+def update_problem(shapes: list[tuple[int, int]]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The parameters (`w0`, `w1`, ...: evenly spaced in [-1, 1]) and the fixed gradient
+  that `update_cost` (and `lowbit_optim_vs_torch`) step, float32."""
+  params = {f"w{i}": jnp.linspace(-1.0, 1.0, np.prod(s)).reshape(s) for i, s in enumerate(shapes)}
+  return params, jax.tree.map(lambda p: jnp.cos(p * 37.0) * 1e-2, params)
+
+
 def update_cost(
   quick: bool = False,
   rounds: int = 15,
@@ -403,8 +410,7 @@ def update_cost(
   if names is not None:
     keep = {"Adam, float32 parameters", "master_weights", *names}
     chosen = {name: v for name, v in chosen.items() if name in keep}
-  params = {f"w{i}": jnp.linspace(-1.0, 1.0, np.prod(s)).reshape(s) for i, s in enumerate(shapes)}
-  grads = jax.tree.map(lambda p: jnp.cos(p * 37.0) * 1e-2, params)
+  params, grads = update_problem(shapes)
   n = int(sum(np.prod(s) for s in shapes))
   runs, sizes = {}, {}
   for name, variant in chosen.items():

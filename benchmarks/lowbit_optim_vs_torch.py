@@ -109,9 +109,8 @@ def _bitsandbytes_variants() -> dict[str, tuple[Any, Callable[[list[Any]], Any]]
 
 def _data(shapes: list[tuple[int, int]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
   """The parameters and gradient of `low_precision_params.update_cost`, as NumPy arrays."""
-  params = [np.linspace(-1.0, 1.0, int(np.prod(s)), dtype=np.float32).reshape(s) for s in shapes]
-  grads = [(np.cos(p * 37.0) * 1e-2).astype(np.float32) for p in params]
-  return params, grads
+  params, grads = lp.update_problem(shapes)
+  return [np.asarray(p) for p in params.values()], [np.asarray(g) for g in grads.values()]
 
 
 def measure(side: int = 1024, rounds: int = 15, steps: int = 5, threads: int = 2) -> dict[str, Any]:
