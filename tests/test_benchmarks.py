@@ -242,11 +242,17 @@ def test_autocast_benchmark_counts_the_16_bit_matmul_flops():
   }
 
 
-@pytest.mark.skipif(not _installed("flax"), reason="the models are Flax models")
-def test_autocast_memory_benchmark_reads_the_residuals_of_every_variant():
+@pytest.fixture(scope="module")
+def autocast_memory_quick() -> dict:
+  if not _installed("flax"):
+    pytest.skip("the models are Flax models")
   from benchmarks import autocast_memory
 
-  results = autocast_memory.measure(quick=True)
+  return autocast_memory.measure(quick=True)
+
+
+def test_autocast_memory_benchmark_reads_the_residuals_of_every_variant(autocast_memory_quick):
+  results = autocast_memory_quick
   assert set(results) == {"MLP blocks", "GPT", "CNN"}
   for row in results.values():
     assert row["float32 MiB"] > 0
@@ -260,6 +266,26 @@ def test_autocast_memory_benchmark_reads_the_residuals_of_every_variant():
       assert 0 < row[variant] < 1 and 0 < error < 0.5, (variant, row)
     assert set(row["temp MiB"]) == {"float32", "own bf16", "autocast bf16"}
     assert all(m > 0 for m in row["temp MiB"].values()), row
+
+
+@pytest.mark.skipif(
+  jax.default_backend() != "cpu",
+  reason="XLA:CPU's buffer assignment: another backend's temp memory is its own figure",
+)
+def test_autocast_compiled_temp_memory_is_at_most_the_models_own_bf16_on_cpu(
+  autocast_memory_quick,
+):
+  # Issue 36: under autocast bf16, jit(value_and_grad)'s temp memory at or below the
+  # model's own bf16 (dtype=bfloat16, params and inputs cast), saved residuals at most
+  # 0.55 of float32's, on each of the benchmark's models. Measured at the quick shapes
+  # (MLP 13.8 / 21.4 MiB, GPT 15.8 / 21.9, CNN 1.89 / 2.49 on jax 0.10.2; the full
+  # shapes' 197 / 298, 335 / 375, 14.4 / 18.3 are in BENCHMARKS.md). Before a region's
+  # forward kept its scalar constants from XLA's CSE (b659184) the CNN took 2.53 MiB
+  # here, above its own bf16's 2.49: this test failed.
+  for name, row in autocast_memory_quick.items():
+    temp = row["temp MiB"]
+    assert temp["autocast bf16"] <= temp["own bf16"], (name, temp)
+    assert row["autocast bf16"] <= 0.55, (name, row["autocast bf16"])
 
 
 @pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")
