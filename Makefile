@@ -117,7 +117,9 @@ PY_TESTS := tests/test_loss_scale.py tests/test_optimizer.py tests/test_apply_gr
 NEWEST_TESTS := $(addprefix tests/,test_autocast_primitives.py test_autocast_unknown.py \
   test_autocast.py test_autocast_regions.py test_autocast_ops.py test_fp8_autocast.py \
   test_layout.py test_flax_train_state.py test_flax_nnx.py test_equinox.py test_loss_scale.py \
-  test_optimizer.py test_skip_bad_steps.py test_master_weights.py test_autocast_libraries.py)
+  test_optimizer.py test_skip_bad_steps.py test_master_weights.py test_autocast_libraries.py \
+  test_quantize.py test_state_dtypes.py test_stochastic_rounding.py test_schedule.py \
+  test_apply_gradients.py test_compiled_step.py test_docs.py)
 TEST_DEPS := pytest pytest-xdist hypothesis jmp chex
 # test_equinox.py's example needs scikit-learn (its data set): the module is skipped without it.
 NEWEST_DEPS := $(TEST_DEPS) scikit-learn
