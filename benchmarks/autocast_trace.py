@@ -20,15 +20,17 @@ And two moments:
   same process, with JAX's caches warm (what a second `jit` wrapper, a new
   static argument or a re-run notebook cell costs).
 
-And a floor: `autocast` reads the function as a jaxpr, so its first trace
+And a reference: `autocast` reads the function as a jaxpr, so its first trace
 includes tracing the loss once more (`jax.make_jaxpr`, in a fresh process);
-float32's first trace plus that one (`loss jaxpr`) is what any interpreter
-of the jaxpr pays before it adds anything, and `vs floor` is autocast's first
-trace against it (per round).
+`vs f32 + jaxpr` is autocast's first trace against float32's plus that one
+(per round). It is no floor: autocast runs the jaxpr under the derivative
+instead of the model's Python, which can cost less (`--parts`).
 
 `--calls` counts instead the Python function calls each trace makes
 (`cProfile`, one fresh process per variant): the same on every run, where
-times on a shared machine vary by a tenth from round to round.
+times on a shared machine vary by a tenth from round to round. `--parts`
+counts them with autocast's regions, and its products' custom JVP rules,
+taken out (patched, in a fresh process each).
 
 Times are the tracing process's CPU seconds (`time.process_time`): tracing is
 single-threaded Python, and on a shared machine wall time also counts the
@@ -194,6 +196,67 @@ def call_counts(layers: int, forms: tuple[str, ...]) -> dict[str, dict[str, floa
   }
 
 
+# What a first trace costs, part by part (`--parts`): autocast with its two costliest
+# features taken out, counterfactuals that patch its internals (in a fresh process each,
+# never shipped), against float32 alone and float32 after the loss traced to a jaxpr.
+PARTS = (
+  "float32",
+  "loss jaxpr, then float32",
+  "autocast, plain products, no regions",
+  "autocast, no regions",
+  "autocast bf16",
+)
+
+
+def _without(part: str) -> None:
+  """Patches autocast for `part`: no regions (each plan flat), and plain products (bound
+  on 16-bit operands, no custom JVP rule making the backward products 16-bit)."""
+  from optax_lossscale._src.autocast import plan, products
+
+  if "no regions" in part:
+    planned = plan._plan
+    plan._plan = lambda ctx, jaxpr, kinds, flat: planned(ctx, jaxpr, kinds, True)
+  if "plain products" in part:
+
+    def plain(primitive: Any, items: Any, c: Any, result: Any) -> Callable[..., Any]:
+      params = dict(items)
+      return lambda *ops: primitive.bind(*ops, **{**params, "preferred_element_type": result})
+
+    products._product = plain
+
+
+def _part_calls(layers: int, form: str, part: str) -> float:
+  """The Python function calls of `part`'s first trace (run in a fresh process)."""
+  _without(part)
+  model, args = _setup(layers, form)
+
+  def trace() -> None:
+    if part == "loss jaxpr, then float32":
+      _jaxpr_seconds(model, args)
+    _trace_seconds(
+      model, None if part.startswith(("float32", "loss")) else POLICIES["autocast bf16"], args
+    )
+
+  profile = cProfile.Profile()
+  profile.runcall(trace)
+  return float(sum(row[1] for row in pstats.Stats(profile).stats.values()))
+
+
+def part_counts(layers: int, forms: tuple[str, ...]) -> dict[str, dict[str, float]]:
+  """`_part_calls` of every part, by form, each in a fresh process."""
+  out: dict[str, dict[str, float]] = {}
+  for form in forms:
+    out[form] = {}
+    for part in PARTS:
+      code = (
+        "from benchmarks.autocast_trace import _part_calls;"
+        f" print(_part_calls({layers}, {form!r}, {part!r}))"
+      )
+      run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+      out[form][part] = float(run.stdout.strip().splitlines()[-1])
+  return out
+
+
 def measure(layers: int, rounds: int, forms: tuple[str, ...] = FORMS) -> dict[str, Any]:
   out: dict[str, Any] = {"layers": layers, "rounds": rounds}
   for form in forms:
@@ -241,8 +304,23 @@ def main() -> None:
   parser.add_argument(
     "--calls", action="store_true", help="count the first traces' Python function calls"
   )
+  parser.add_argument(
+    "--parts",
+    action="store_true",
+    help="count the calls of autocast's first trace without regions and 16-bit backward products",
+  )
   args = parser.parse_args()
   layers, rounds = (2, 1) if args.quick else (args.layers, args.rounds)
+  if args.parts:
+    parts = part_counts(layers, tuple(args.forms))
+    print(f"first trace, Python function calls, GPT LM with {layers} layers, part by part")
+    for form, row in parts.items():
+      for part, n in row.items():
+        print(f"{form:15}{part:40}{n:10.0f}  x{n / row['float32']:.2f} of float32")
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"layers": layers, "calls": parts}, f, indent=2)
+    return
   if args.calls:
     counts = call_counts(layers, tuple(args.forms))
     print(f"first trace, Python function calls, GPT LM with {layers} layers")
@@ -250,7 +328,7 @@ def main() -> None:
       f32, floor = row["float32"], row["float32"] + row[FLOOR]
       for variant, n in row.items():
         print(f"{form:15}{variant:15}{n:10.0f}  x{n / f32:.2f} of float32")
-      print(f"{form:15}{'floor':15}{floor:10.0f}  x{floor / f32:.2f} of float32")
+      print(f"{form:15}{'f32 + jaxpr':15}{floor:10.0f}  x{floor / f32:.2f} of float32")
     if args.json:
       with open(args.json, "w") as f:
         json.dump({"layers": layers, "calls": counts}, f, indent=2)
@@ -258,18 +336,18 @@ def main() -> None:
   out = measure(layers, rounds, tuple(args.forms))
   print(f"train step trace, GPT LM with {layers} layers ({rounds} rounds, medians)")
   print(
-    f"{'form':15}{'variant':15}{'first (s)':>11}{'vs f32':>8}{'vs floor':>10}"
+    f"{'form':15}{'variant':15}{'first (s)':>11}{'vs f32':>8}{'vs f32+jaxpr':>14}"
     f"{'re-trace (s)':>14}{'vs f32':>8}"
   )
   for form in args.forms:
     for name in POLICIES:
       r = out[form][name]
       print(
-        f"{form:15}{name:15}{r['first s']:11.2f}{r['first x']:8.2f}{r['first vs floor']:10.2f}"
+        f"{form:15}{name:15}{r['first s']:11.2f}{r['first x']:8.2f}{r['first vs floor']:14.2f}"
         f"{r['re-trace s']:14.2f}{r['re-trace x']:8.2f}"
       )
     r = out[form][FLOOR]
-    print(f"{form:15}{FLOOR:15}{r['first s']:11.2f}   (floor: float32 + it = x{r['floor x']:.2f})")
+    print(f"{form:15}{FLOOR:15}{r['first s']:11.2f}   (float32 + it: x{r['floor x']:.2f})")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=2)

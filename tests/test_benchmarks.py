@@ -305,6 +305,13 @@ def test_autocast_trace_benchmark_times_every_form(capsys):
   calls = autocast_trace.call_counts(2, ("lax.scan",))["lax.scan"]
   assert set(calls) == {*autocast_trace.POLICIES, autocast_trace.FLOOR}
   assert all(n > 0 and n == int(n) for n in calls.values()), calls
+  # --parts: the counterfactuals patch autocast in their own processes, and each feature
+  # taken out makes the trace cheaper (a patch that changed nothing would fail here).
+  parts = autocast_trace.part_counts(2, ("lax.scan",))["lax.scan"]
+  assert list(parts) == list(autocast_trace.PARTS)
+  plain, flat, full = (parts[p] for p in autocast_trace.PARTS[2:])
+  assert plain < flat < full, parts
+  assert parts["float32"] < parts["loss jaxpr, then float32"], parts
 
 
 @pytest.mark.skipif(not _installed("flax"), reason="the LM is a Flax model")
