@@ -222,6 +222,7 @@ def _without(part: str) -> None:
       params = dict(items)
       return lambda *ops: primitive.bind(*ops, **{**params, "preferred_element_type": result})
 
+    plain.__wrapped__ = plain  # as the cached original's, for unhashable parameters
     products._product = plain
 
 
