@@ -164,13 +164,15 @@ def _jaxpr_seconds(model: LM, args: tuple[Any, ...]) -> float:
   return time.process_time() - start
 
 
-def _first_in_fresh_process(layers: int, form: str, variant: str, calls: bool = False) -> float:
-  code = (
-    "from benchmarks.autocast_trace import _one;"
-    f" print(_one({layers}, {form!r}, {variant!r}, calls={calls}))"
-  )
+def _in_fresh_process(function: str, *args: Any) -> float:
+  """`function` of this module called on `args` in a new Python process: its number."""
+  code = f"from benchmarks.autocast_trace import {function}; print({function}(*{args!r}))"
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   return float(out.stdout.strip().splitlines()[-1])
+
+
+def _first_in_fresh_process(layers: int, form: str, variant: str, calls: bool = False) -> float:
+  return _in_fresh_process("_one", layers, form, variant, calls)
 
 
 def _one(layers: int, form: str, variant: str, calls: bool = False) -> float:
@@ -227,7 +229,8 @@ def _without(part: str) -> None:
 
 
 def _part_calls(layers: int, form: str, part: str) -> float:
-  """The Python function calls of `part`'s first trace (run in a fresh process)."""
+  """The Python function calls of `part`'s first trace. It patches autocast for the rest
+  of the process: run it in a fresh one (`part_counts`)."""
   _without(part)
   model, args = _setup(layers, form)
 
@@ -249,12 +252,7 @@ def part_counts(layers: int, forms: tuple[str, ...]) -> dict[str, dict[str, floa
   for form in forms:
     out[form] = {}
     for part in PARTS:
-      code = (
-        "from benchmarks.autocast_trace import _part_calls;"
-        f" print(_part_calls({layers}, {form!r}, {part!r}))"
-      )
-      run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-      out[form][part] = float(run.stdout.strip().splitlines()[-1])
+      out[form][part] = _in_fresh_process("_part_calls", layers, form, part)
   return out
 
 
