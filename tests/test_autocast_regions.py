@@ -247,3 +247,35 @@ def test_a_scan_body_is_interpreted_once_when_its_carry_is_settled(monkeypatch):
   assert len(bodies) > 1
   (scan_eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
   assert [str(v.aval.dtype) for v in scan_eqn.outvars] == ["float32"]
+
+
+@pytest.mark.parametrize(
+  "between, wrapped",
+  [
+    (lambda q, b: (q + b) / jnp.sqrt(64.0), False),  # an attention's scaling: linear
+    (lambda q, b: jax.jit(lambda q: 0.5 * q - b)(q), False),  # linear, through a jit
+    (lambda q, b: jnp.tanh(q + b), True),
+    (lambda q, b: (q + b) * q, True),  # a product of two activations keeps both
+    (lambda q, b: b / (q * q + 1.0), True),  # a quotient by an activation keeps it
+    (lambda q, b: q * (q > 0), True),  # a factor computed from an input is kept
+  ],
+)
+def test_a_run_linear_in_what_it_reads_is_run_inline(between, wrapped):
+  # A run between two products whose derivative reads no input (additions, scalings by
+  # constants) keeps nothing for the backward pass: no region is built for it, and it
+  # computes what a region would.
+  w = jax.random.normal(jax.random.key(1), (D, D)) / 4
+  b = jnp.linspace(-1.0, 1.0, D)
+
+  def f(w, b, x):
+    return jnp.sum(between(x @ w, b) @ w)
+
+  policy = HALVES["bfloat16"]
+  autocast_regions._fused_cache.clear()
+  grads = jax.grad(ols.autocast(f, policy), argnums=(0, 1))(w, b, X)
+  assert bool(autocast_regions._fused_cache) == wrapped
+  want = jax.grad(f, argnums=(0, 1))(w, b, X)
+  for g, h in zip(grads, want, strict=True):
+    np.testing.assert_allclose(g, h, rtol=3e-2, atol=3e-2 * float(jnp.max(jnp.abs(h))))
+  big = [d for d, s in residuals(ols.autocast(f, policy), w, b, X) if int(np.prod(s)) >= N * D]
+  assert "float32" not in big, big

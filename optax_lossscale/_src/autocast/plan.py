@@ -41,8 +41,9 @@ REDUCTIONS = frozenset({
   "reduce_xor", "argmax", "argmin",
 })  # fmt: skip
 
-# Equations whose JVP needs no primal value but integer indices: a run of only
-# these keeps nothing floating for the backward pass, so it needs no region.
+# Equations whose JVP needs no primal value but integer indices (with products
+# and quotients by constants, `_keeps_values`): a run of only these keeps
+# nothing floating for the backward pass, so it needs no region.
 LINEAR = frozenset({
   "add", "add_any", "sub", "neg", "reshape", "transpose", "broadcast_in_dim", "squeeze",
   "expand_dims", "convert_element_type", "slice", "concatenate", "pad", "rev", "copy",
@@ -225,10 +226,7 @@ def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region
     and last_read.get(v, -1) >= stop
   )  # fmt: skip
   floating = any(interp.is_float(v.aval) for v in outvars if hasattr(v.aval, "dtype"))
-  wrap = floating and any(
-    e.primitive.name not in LINEAR or e.primitive.name in ("custom_jvp_call", "jit", "pjit")
-    for e in eqns
-  )
+  wrap = floating and _keeps_values(eqns, invars)
   stacks = [e.source_info.name_stack for e in eqns]
   return Region(
     tuple(eqns),
@@ -238,6 +236,44 @@ def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region
     _common(stacks),
     wrap,
   )
+
+
+# Calls whose body `_keeps_values` reads; any other call (a custom rule) may keep anything.
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def _keeps_values(eqns: Sequence[Any], invars: Sequence[Any]) -> bool:
+  """Whether JAX's reverse mode of `eqns` would keep a value computed from `invars`.
+
+  Only then is a region worth its call: a run that is linear in what it reads
+  (additions, moves, products and quotients by constants: an attention's
+  `(q + b) / sqrt(d)`, an embedding's gather) keeps nothing of its inputs
+  but integer indices, its backward pass reads the cotangents, and run
+  inline it keeps what it would keep wrapped, without a custom rule and a
+  checkpoint to trace. A factor computed from an input (a mask from token
+  ids) is a value kept: a region keeps the ids instead.
+  """
+  return _keeps(eqns, set(invars))
+
+
+def _keeps(eqns: Sequence[Any], derived: set[Any]) -> bool:
+  """`_keeps_values`, `derived` the variables computed from the inputs (any dtype)."""
+  for eqn in eqns:
+    reads = [not isinstance(v, jex.core.Literal) and v in derived for v in eqn.invars]
+    if not any(reads):
+      continue  # a constant
+    name = eqn.primitive.name
+    if name in _CALLS:
+      closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      body = getattr(closed, "jaxpr", closed)
+      if _keeps(body.eqns, {v for v, r in zip(body.invars, reads, strict=True) if r}):
+        return True
+    elif (name == "mul" and sum(reads) == 1) or (name == "div" and not reads[1]):
+      pass  # by a constant: linear
+    elif name not in LINEAR:
+      return True
+    derived.update(eqn.outvars)
+  return False
 
 
 def split_at_tangents(region: Region, tangent: Sequence[bool]) -> tuple[Region, ...]:
