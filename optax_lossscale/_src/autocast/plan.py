@@ -107,10 +107,19 @@ def fusible(ctx: interp.Context, eqn: Any) -> bool:
   name = eqn.primitive.name
   if name in ctx.fusible:
     return not eqn.effects
-  if name in ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call"):
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    return not eqn.effects and _fusible_body(ctx, getattr(closed, "jaxpr", closed))
+  if name in _CALLS or name == "custom_jvp_call":
+    return not eqn.effects and _fusible_body(ctx, _body(eqn))
   return False
+
+
+# The calls whose body is the computation (a `custom_jvp_call`'s also has a rule).
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+
+
+def _body(eqn: Any) -> Any:
+  """The `Jaxpr` a call equation runs."""
+  closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  return getattr(closed, "jaxpr", closed)
 
 
 def _fusible_body(ctx: interp.Context, jaxpr: Any) -> bool:
@@ -238,20 +247,19 @@ def _region(eqns: Sequence[Any], last_read: dict[Any, int], stop: int) -> Region
   )
 
 
-# Calls whose body `_keeps_values` reads; any other call (a custom rule) may keep anything.
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
-
-
 def _keeps_values(eqns: Sequence[Any], invars: Sequence[Any]) -> bool:
   """Whether JAX's reverse mode of `eqns` would keep a value computed from `invars`.
 
   Only then is a region worth its call: a run that is linear in what it reads
-  (additions, moves, products and quotients by constants: an attention's
-  `(q + b) / sqrt(d)`, an embedding's gather) keeps nothing of its inputs
-  but integer indices, its backward pass reads the cotangents, and run
-  inline it keeps what it would keep wrapped, without a custom rule and a
-  checkpoint to trace. A factor computed from an input (a mask from token
-  ids) is a value kept: a region keeps the ids instead.
+  (additions, moves, products and quotients by scalar constants: an
+  attention's `(q + b) / sqrt(d)`, an embedding's gather, also in a `jit`)
+  keeps nothing of its inputs but integer indices, its backward pass reads
+  the cotangents, and run inline it keeps what it would keep wrapped, without
+  a custom rule and a checkpoint to trace. A factor computed from an input (a
+  mask from token ids) is a value kept: a region keeps the ids instead. So is
+  a full-size constant factor (a causal mask from `iota`): JAX would keep it
+  in float32, a region recomputes it. A custom rule (`custom_jvp_call`) may
+  keep anything.
   """
   return _keeps(eqns, set(invars))
 
@@ -264,16 +272,21 @@ def _keeps(eqns: Sequence[Any], derived: set[Any]) -> bool:
       continue  # a constant
     name = eqn.primitive.name
     if name in _CALLS:
-      closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-      body = getattr(closed, "jaxpr", closed)
+      body = _body(eqn)
       if _keeps(body.eqns, {v for v, r in zip(body.invars, reads, strict=True) if r}):
         return True
-    elif (name == "mul" and sum(reads) == 1) or (name == "div" and not reads[1]):
-      pass  # by a constant: linear
+    elif (name == "mul" and sum(reads) == 1 and _scalar(eqn.invars[reads.index(False)])) or (
+      name == "div" and not reads[1] and _scalar(eqn.invars[1])
+    ):
+      pass  # by a scalar constant: linear
     elif name not in LINEAR:
       return True
     derived.update(eqn.outvars)
   return False
+
+
+def _scalar(v: Any) -> bool:
+  return not np.shape(v.aval)
 
 
 def split_at_tangents(region: Region, tangent: Sequence[bool]) -> tuple[Region, ...]:
