@@ -34,11 +34,17 @@ EXAMPLE_TESTS := $(addprefix tests/,test_demo.py test_skip_bad_steps_demo.py \
 # whole models under autocast (test_autocast_models.py: about a minute), fp8
 # autocast (test_fp8_autocast.py: a small GPT trained with every product in
 # fp8 among them, a minute), the suite collected without flax installed
-# (test_flax_optional.py, a subprocess: 17 s) and the simulated 8-device
-# sessions.
+# (test_flax_optional.py, a subprocess: 17 s), the simulated 8-device
+# sessions, and the files that each took 20 s or more of a worker's time on a
+# slow day (2026-11-28: `make test` took 11 minutes with them, against 6-7 on
+# earlier days): autocast's op-by-op cases and fp8 controls, the Flax and
+# Equinox integrations, the peers' migration tables, the long runs, the
+# profiled dispatch and the unscaled-gradient warnings.
 EXTENDED_TESTS := $(addprefix tests/,test_autocast_corpus.py test_autocast_corpus_bf16.py \
   test_autocast_libraries.py test_autocast_models.py test_fp8_autocast.py \
-  test_flax_optional.py test_multi_device.py)
+  test_flax_optional.py test_multi_device.py \
+  test_autocast_ops.py test_fp8_control.py test_low_precision_flax.py test_equinox.py \
+  test_migration.py test_long_runs.py test_dispatch.py test_unscaled_gradients.py)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
