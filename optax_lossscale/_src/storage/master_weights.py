@@ -246,7 +246,7 @@ def master_weights(
 
   def compute(
     grads: Any, state: Any, params: Any, extra_args: dict[str, Any], fused: bool
-  ) -> tuple[list[Any], list[Any], MasterWeightsState]:
+  ) -> tuple[list[Any], list[Any], MasterWeightsState, list[Any]]:
     if not isinstance(state, MasterWeightsState):
       raise TypeError(
         "master_weights's update expects the MasterWeightsState that its init returned;"
@@ -296,13 +296,16 @@ def master_weights(
     updates = [None] * len(leaves) if updates is None else treedef.flatten_up_to(updates)
     new_params, own_updates, new_master = [], [], []
     previous: list[jax.Array] = []
+    last: list[jax.Array] = []  # what reads the old inner state, written before its codes
     for p, m, s, u in zip(leaves, masters, stepped, updates, strict=True):
       if m is None:
         new_params.append(s)
         new_master.append(None)
+        last.append(s)
       elif store == "copy":
         new_params.append(_written(s, jnp.result_type(p)))
         new_master.append(s)
+        last.extend([new_params[-1], s])
       else:
         # Computed once into a buffer, which both halves read: each half recomputing it
         # would read the old parameter and remainder that the other overwrites. One
@@ -314,11 +317,15 @@ def master_weights(
         previous = [remainder]
         new_params.append(param)
         new_master.append(remainder)
+        # Both halves read the materialized master, not the inner state: the codes
+        # wait for the remainder (an int16 array, read from its own buffer).
+        last.append(remainder)
       own_updates.append(u if m is None else None)
     return (
       new_params,
       own_updates,
       MasterWeightsState(inner_state=inner_state, master=treedef.unflatten(new_master)),
+      last,
     )
 
   update_fn = param_write.attach_write(

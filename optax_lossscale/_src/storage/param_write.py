@@ -57,11 +57,15 @@ def _inside() -> Iterator[None]:
     _NESTED.reset(token)
 
 
-# `(grads, state, params, extra_args, fused) -> (new_params, updates, new_state)`: the
-# new parameters leaf by leaf, and, where a leaf's update is the inner optimizer's own
-# (a leaf the transformation leaves alone), that update, else None. `fused`: the
-# parameters are what is returned (an inner fused step may write them).
-Compute = Callable[[Any, Any, Any, dict[str, Any], bool], tuple[list[Any], list[Any], Any]]
+# `(grads, state, params, extra_args, fused) -> (new_params, updates, new_state, last)`:
+# the new parameters leaf by leaf, and, where a leaf's update is the inner optimizer's
+# own (a leaf the transformation leaves alone), that update, else None. `fused`: the
+# parameters are what is returned (an inner fused step may write them). `last`: arrays
+# written once every reader of the old state has read it (the new parameters, or what
+# they are split from), after which the fused step writes 8-bit codes in place.
+Compute = Callable[
+  [Any, Any, Any, dict[str, Any], bool], tuple[list[Any], list[Any], Any, list[Any]]
+]
 
 
 def closest_update(new: jax.Array, old: jax.Array, dtype: Any) -> jax.Array:
@@ -101,10 +105,10 @@ def attach_write(kind: str, compute: Compute, settings: dict[str, Any]) -> Calla
     if not apply_to_params:
       composition.check_last(kind, update_fn)
     old, treedef = jax.tree.flatten(params)
-    new, updates, new_state = compute(grads, state, params, extra_args, apply_to_params)
+    new, updates, new_state, last = compute(grads, state, params, extra_args, apply_to_params)
     if apply_to_params:
       if not nested():  # the parameters returned: the new codes are written after them
-        new_state = quantize.codes_after(new_state, [jnp.asarray(n) for n in new])
+        new_state = quantize.codes_after(new_state, [jnp.asarray(x) for x in last])
       return treedef.unflatten(new), new_state
     out = [
       u if u is not None else closest_update(n, o, jnp.promote_types(n.dtype, jnp.float32))

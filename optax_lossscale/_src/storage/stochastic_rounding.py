@@ -204,7 +204,7 @@ def stochastic_rounding(
 
   def compute(
     grads: Any, state: Any, params: Any, extra_args: dict[str, Any], fused: bool
-  ) -> tuple[list[Any], list[Any], StochasticRoundingState]:
+  ) -> tuple[list[Any], list[Any], StochasticRoundingState, list[Any]]:
     del fused  # the new values are computed from the updates, so inner always updates
     if not isinstance(state, StochasticRoundingState):
       raise TypeError(
@@ -245,7 +245,7 @@ def stochastic_rounding(
     rounded = [n for n, u in zip(new_params, own_updates, strict=True) if u is None]
     inner_state = schedule.after(inner_state, rounded)
     new_state = StochasticRoundingState(inner_state, jax.random.key_data(next_key))
-    return new_params, own_updates, new_state
+    return new_params, own_updates, new_state, new_params
 
   update_fn = param_write.attach_write(kind, compute, {"inner": user_inner})
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
