@@ -305,7 +305,7 @@ def master_weights(
       elif store == "copy":
         new_params.append(_written(s, jnp.result_type(p)))
         new_master.append(s)
-        last.extend([new_params[-1], s])
+        last.append(s)  # (the parameter is written from the new master, not the state)
       else:
         # Computed once into a buffer, which both halves read: each half recomputing it
         # would read the old parameter and remainder that the other overwrites. One
