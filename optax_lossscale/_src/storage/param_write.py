@@ -107,7 +107,7 @@ def attach_write(kind: str, compute: Compute, settings: dict[str, Any]) -> Calla
     old, treedef = jax.tree.flatten(params)
     new, updates, new_state, last = compute(grads, state, params, extra_args, apply_to_params)
     if apply_to_params:
-      if not nested():  # the parameters returned: the new codes are written after them
+      if not nested():  # the parameters returned: the new codes written after `last`
         new_state = quantize.codes_after(new_state, [jnp.asarray(x) for x in last])
       return treedef.unflatten(new), new_state
     out = [
