@@ -65,8 +65,11 @@ def _compiled(tx, grads_dtype=BF16):
   return step.lower(params, state, grads).compile(), params, state, grads
 
 
-def _bytes(tx, grads_dtype=BF16, compiled=None):
-  compiled, params, state, grads = compiled or _compiled(tx, grads_dtype)
+def _bytes(tx, grads_dtype=BF16):
+  return _bytes_of(*_compiled(tx, grads_dtype))
+
+
+def _bytes_of(compiled, params, state, grads):
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
@@ -131,7 +134,7 @@ def test_on_cpu_master_weights_over_8_bit_moments_writes_no_float32_gradient(sto
   inner = ols.state_dtypes(optax.adam(1e-3), {"mu": "q8", "nu": "q8"})
   tx = ols.master_weights(inner, store=store)
   compiled = _compiled(tx)
-  ratio, copies = _bytes(tx, compiled=compiled)
+  ratio, copies = _bytes_of(*compiled)
   assert copies == 0
   assert ratio <= bound
   entry = compiled[0].as_text().split("ENTRY")[1]
