@@ -317,8 +317,10 @@ class StochasticRoundingTest(parameterized.TestCase):
     # back, converted from float32, a view of bits (bitcast_convert_type), the
     # rounding's choice between two such views (select_n) or a one-element read
     # of a new parameter (slice, reshape: the CPU's write order, storage/schedule.py));
-    # for each 16-bit parameter, one float32 `add` of the parameter, converted up,
-    # and its update, then one rounding of its bits to the parameter's dtype.
+    # for each 16-bit parameter, one float32 `add` of the parameter, converted up
+    # (a bfloat16 one by `rounding.cast`: a `cond` on the platform, whose CPU branch
+    # shifts the bits and whose other one is `convert_element_type`), and its
+    # update, then one rounding of its bits to the parameter's dtype.
     params = {"h": jnp.ones(5, jnp.float16), "w": jnp.ones((4, 3), BF16)}
     tx = ols.stochastic_rounding(optax.adam(1e-3), key=0)
     step = lambda g, s, p: ols.apply_gradients(tx, g, s, p)
@@ -346,8 +348,8 @@ class StochasticRoundingTest(parameterized.TestCase):
         and e.outvars[0].aval.dtype == jnp.float32
         and any(
           id(v) in made_by
-          and made_by[id(v)].primitive.name == "convert_element_type"
-          and made_by[id(v)].invars[0].aval.dtype == p.dtype
+          and made_by[id(v)].primitive.name in ("convert_element_type", "cond")
+          and p.dtype in [u.aval.dtype for u in made_by[id(v)].invars]
           for v in e.invars
         )
       ]
@@ -477,3 +479,57 @@ def test_neighbours_helper_agrees_with_ml_dtypes(dtype):
   # The test's own oracle: 1 + 2**-10 lies between 1 and the next value up.
   finfo = ml_dtypes.finfo(np.dtype(dtype))
   assert neighbours(1.0 + 2**-12, dtype) == [1.0, 1.0 + float(finfo.eps)]
+
+
+class CastTest(parameterized.TestCase):
+  """`rounding.cast`: `astype`, bit for bit, on the bits between float32 and bfloat16 when
+  compiled for a CPU (the backend's own conversion elsewhere, so the facts hold on every
+  backend)."""
+
+  def test_float32_to_bfloat16_is_astype_bit_for_bit(self):
+    rng = np.random.default_rng(0)
+    random = rng.integers(0, 2**32, 2**20, dtype=np.uint64).astype(np.uint32)
+    ties = (rng.integers(0, 2**16, 4096, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000
+    special = np.array(
+      [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 1, 0x807FFFFF,
+       0x00808000, 0x00018000, 0x3F808000, 0x3F818000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF],
+      np.uint32,
+    )  # fmt: skip
+    # Everywhere, and below the normal range (subnormals) in particular.
+    bits = np.concatenate([random, random & 0x807FFFFF, ties, special])
+    x = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float32)
+    view = lambda y: np.asarray(jax.lax.bitcast_convert_type(y, jnp.uint16))
+    expected = view(jax.jit(lambda x: x.astype(BF16))(x))
+    for fn in (jax.jit(lambda x: rounding.cast(x, BF16)), lambda x: rounding.cast(x, BF16)):
+      np.testing.assert_array_equal(view(fn(x)), expected)
+    # And, off NaNs, the rounding of ml_dtypes (to nearest, ties to even).
+    finite = ~np.isnan(bits.view(np.float32))
+    with np.errstate(invalid="ignore"):
+      oracle = bits.view(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(expected[finite], oracle[finite])
+
+  def test_bfloat16_to_float32_is_astype_for_every_pattern(self):
+    patterns = jnp.arange(2**16, dtype=jnp.uint32).astype(jnp.uint16)
+    every = jax.lax.bitcast_convert_type(patterns, BF16)
+    view = lambda y: np.asarray(jax.lax.bitcast_convert_type(y, jnp.uint32))
+    got = view(jax.jit(lambda x: rounding.cast(x, jnp.float32))(every))
+    np.testing.assert_array_equal(got, view(jax.jit(lambda x: x.astype(jnp.float32))(every)))
+    np.testing.assert_array_equal(got, np.arange(2**16, dtype=np.uint32) << 16)
+
+  @parameterized.parameters((jnp.float32, F16), (F16, jnp.float32), (BF16, F16), (jnp.int32, BF16))
+  def test_other_pairs_are_astype(self, source, target):
+    x = jnp.arange(-3, 4).astype(source)
+    got = rounding.cast(x, target)
+    self.assertEqual(got.dtype, np.dtype(target))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x.astype(target)))
+
+  @pytest.mark.skipif(
+    jax.default_backend() != "cpu", reason="XLA:CPU's program: elsewhere cast is the conversion"
+  )
+  def test_on_a_cpu_the_program_converts_no_float_to_bfloat16(self):
+    # XLA:CPU's own float32 -> bfloat16 conversion is the slow loop `cast` avoids.
+    x = jnp.linspace(-1.0, 1.0, 1024)
+    text = jax.jit(lambda x: rounding.cast(x, BF16)).lower(x).compile().as_text()
+    self.assertNotRegex(text, r"= bf16\[[\d,]*\]\S* convert\(")
+    text = jax.jit(lambda x: x.astype(BF16)).lower(x).compile().as_text()
+    self.assertRegex(text, r"= bf16\[[\d,]*\]\S* convert\(")  # the pattern finds one

@@ -277,7 +277,7 @@ def master_weights(
         " params), which writes the parameters in their own dtype."
       )
     promoted = [
-      g if m is None or g is None else jnp.asarray(g).astype(master_dtype)
+      g if m is None or g is None else rounding.cast(g, master_dtype)
       for g, m in zip(treedef.flatten_up_to(grads), masters, strict=True)
     ]
     on_master = [

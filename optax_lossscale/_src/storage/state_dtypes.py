@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from optax_lossscale._src.step import conditional_step
-from optax_lossscale._src.storage import param_write, quantize
+from optax_lossscale._src.storage import param_write, quantize, rounding
 from optax_lossscale._src.utils import dtypes as dtypes_lib
 
 _ACCEPTED = (
@@ -201,7 +201,7 @@ def state_dtypes(
       dtype = storage(path, leaf)
       if dtype is None or isinstance(dtype, str):
         return leaf
-      return jnp.asarray(leaf).astype(jnp.promote_types(dtype, jnp.float32))
+      return rounding.cast(leaf, jnp.promote_types(dtype, jnp.float32))
 
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=quantize.is_quantized)
 
@@ -237,7 +237,7 @@ def state_dtypes(
         largest, signed = extremes[name]
         word = None if words is None else words[name]
         return quantize.encode_array(leaf, largest, signed, dtype, count, salt(name), word)
-      return jnp.asarray(leaf).astype(dtype)
+      return rounding.cast(leaf, dtype)
 
     return jax.tree_util.tree_map_with_path(one, state)
 

@@ -234,10 +234,11 @@ def stochastic_rounding(
         own_updates.append(u)
         continue
       p = jnp.asarray(p)
-      exact = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
+      exact = rounding.cast(p, jnp.float32) + jnp.asarray(u).astype(jnp.float32)
       seed = _leaf_seed(step_key, i, p)
       bits = rounding.hash_bits(seed, p.shape, rounding.explicit_sharding(p))
-      # Written by a loop of its own (schedule.materialized), which the state waits for.
+      # Its loop ends in a conversion (`round_with_bits`), which XLA:CPU does not repeat
+      # in the one-element read the state waits for (`schedule.after`).
       new_params.append(rounding.round_with_bits(exact, bits, p.dtype))
       own_updates.append(None)
     # The new parameters read the old state (the float32 update comes from it); written
@@ -258,7 +259,7 @@ def _widened(tree: Any) -> Any:
     if quantize.is_quantized(x) or not hasattr(x, "dtype"):
       return x
     if jnp.issubdtype(x.dtype, jnp.floating) and np.dtype(x.dtype).itemsize < 4:
-      return x.astype(jnp.float32)
+      return rounding.cast(x, jnp.float32)
     return x
 
   return jax.tree.map(one, tree, is_leaf=quantize.is_quantized)
@@ -268,7 +269,7 @@ def _narrowed(new: Any, old: Any) -> Any:
   """A new state leaf back in the dtype of the old one (round to nearest)."""
   if quantize.is_quantized(new) or not hasattr(old, "dtype") or not hasattr(new, "dtype"):
     return new
-  return new.astype(old.dtype) if new.dtype != old.dtype else new
+  return rounding.cast(new, old.dtype) if new.dtype != old.dtype else new
 
 
 def _leaf_seed(step_key: jax.Array, index: int, param: jax.Array) -> jax.Array:
