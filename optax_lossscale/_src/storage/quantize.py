@@ -315,7 +315,9 @@ def encode_array(
   # A signed block's top code is 255 with the sign bit cleared.
   sign_bit = expand(_sign_bits(scales))
   top = _UNSIGNED ^ sign_bit
-  m = jnp.where(nonzero, jnp.clip(above - (_ONE + 8 * 8) + top, 1, top), 0)
+  # No code above the top one: `ratio` is at most the top value, whose bits' low 20 are
+  # zero, so no noise carries past its code (one maximum fewer a element than a clip).
+  m = jnp.where(nonzero, jnp.maximum(above - (_ONE + 8 * 8) + top, 1), 0)
   codes = (m | jnp.where(negative, sign_bit, 0)).astype(jnp.uint8)
   return QuantizedArray(_resharded(view.back(codes), sharding), scales, count)
 
