@@ -212,6 +212,34 @@ class LayoutTest(parameterized.TestCase):
       self.assertTrue(np.all(np.isnan(back[1:3])))
       np.testing.assert_allclose(back[4], x[4], rtol=0.13, atol=1e-29 * 2e-5)
 
+  def test_block_extremes_of_any_bits_against_numpy(self):
+    # Blocks of arbitrary float32 bits, some all negative, all non-negative, or all
+    # special (zeros and subnormals of both signs, infinities, NaNs, the largest
+    # finite values), against the definition: a block's largest magnitude, NaN where
+    # it holds a NaN or an infinity, and whether it holds a value below -2**-126
+    # (subnormals count as zeros).
+    rng = np.random.default_rng(7)
+    special = np.array(
+      [0, 0x80000000, 1, 0x80000001, 0x007FFFFF, 0x807FFFFF, 0x00800000, 0x80800000,
+       0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F800000],
+      np.uint32,
+    )  # fmt: skip
+    bits = rng.integers(0, 2**32, (512, 256), dtype=np.uint64).astype(np.uint32)
+    bits = np.where(rng.random(bits.shape) < 0.05, rng.choice(special, bits.shape), bits)
+    bits[0::4] |= np.uint32(0x80000000)
+    bits[1::4] &= np.uint32(0x7FFFFFFF)
+    bits[2::8] = rng.choice(special, bits[2::8].shape)
+    bits[6::8] = rng.choice(special[:6], bits[6::8].shape)  # zeros and subnormals only
+    x = bits.view(np.float32)
+    flushed = np.where(np.abs(x) < np.finfo(np.float32).tiny, np.float32(0), x)
+    with np.errstate(invalid="ignore"):
+      expected = np.where(np.all(np.isfinite(x), axis=1), np.max(np.abs(flushed), 1), np.nan)
+    # Both signs, in one reduction (as Adam's two moments): -x's negatives are x's positives.
+    found = jax.jit(quantize.block_extremes_of)([jnp.asarray(x), -jnp.asarray(x)])
+    for (largest, signed), values in zip(found, [flushed, -flushed], strict=True):
+      np.testing.assert_array_equal(np.asarray(largest)[:, 0], expected)
+      np.testing.assert_array_equal(np.asarray(signed)[:, 0], np.any(values < 0, axis=1))
+
 
 # Every magnitude float32 holds as a normal number, 2**-126 (1.2e-38) to 3e38, in steps of
 # about 1.6% over 255 elements; with the same row in 2**-60 of its range, so that each

@@ -225,26 +225,33 @@ def block_extremes_of(arrays: list[jax.Array]) -> list[tuple[jax.Array, jax.Arra
   it holds a negative value, for several arrays of one shape.
 
   One reduction, on the float32 bits as integers (which CPUs compare
-  vectorized, without the NaN checks of a floating maximum): the largest
-  magnitude's bits (those of a NaN or an infinity are above every finite
-  one's) and the largest of the bits of the values below -0.0 (nonzero where
-  one is), float32's subnormals (under 2**-126) counted as zeros, as XLA:CPU
-  and GPUs flush them. XLA:CPU takes it in one pass that reads what the arrays are
-  computed from once (Adam's gradient, for both moments).
+  vectorized, without the NaN checks of a floating maximum), of the bits as
+  they are, twice: their largest as unsigned integers (a negative value's
+  where there is one, the largest magnitude among them; a NaN's or an
+  infinity's bits are above every finite one's) and as signed integers (the
+  largest non-negative value's, negative where there is none). Per block,
+  the largest magnitude is the greater of the two magnitudes, and the block
+  is signed where the unsigned largest is below -2**-126 (float32's
+  subnormals, under 2**-126, counted as zeros, as XLA:CPU and GPUs flush
+  them). XLA:CPU takes it in one pass that reads what the arrays are computed
+  from once (Adam's gradient, for both moments), with no work an element
+  beyond the two comparisons.
   """
   blocks = [_to_blocks(_rows_unsharded(jnp.asarray(x))[0].astype(jnp.float32)) for x in arrays]
   k = len(blocks)
-  bits = [jax.lax.bitcast_convert_type(b, jnp.uint32) for b in blocks]
-  magnitude = [b & np.uint32(0x7FFFFFFF) for b in bits]
-  negative = [jnp.where(b >= np.uint32(0x80800000), b, np.uint32(0)) for b in bits]
+  unsigned = [jax.lax.bitcast_convert_type(b, jnp.uint32) for b in blocks]
+  signed = [jax.lax.bitcast_convert_type(b, jnp.int32) for b in blocks]
   found = jax.lax.reduce(
-    (*magnitude, *negative),
-    (np.uint32(0),) * (2 * k),
+    (*unsigned, *signed),
+    (np.uint32(0),) * k + (np.int32(np.iinfo(np.int32).min),) * k,
     lambda a, b: tuple(jax.lax.max(x, y) for x, y in zip(a, b, strict=True)),
     (blocks[0].ndim - 1,),
   )
   out = []
-  for high, low in zip(found[:k], found[k:], strict=True):
+  for top_unsigned, top_signed in zip(found[:k], found[k:], strict=True):
+    positive = jax.lax.bitcast_convert_type(jnp.maximum(top_signed, 0), jnp.uint32)
+    high = jnp.maximum(positive, top_unsigned & np.uint32(0x7FFFFFFF))
+    low = jnp.where(top_unsigned >= np.uint32(0x80800000), top_unsigned, np.uint32(0))
     largest = jax.lax.bitcast_convert_type(high, jnp.float32)
     largest = jnp.where(high < np.uint32(0x00800000), np.float32(0), largest)
     largest = jnp.where(high < np.uint32(0x7F800000), largest, np.float32(jnp.nan))
