@@ -507,8 +507,8 @@ class StateDtypesTest(parameterized.TestCase):
     # before the codes' loops that overwrite them). Now one reduction for both
     # moments' block extremes, then the params, then each moment's codes, ordered
     # by a data dependency: the gradient read four times, no copy, 32.4 bytes a
-    # parameter (x2.02); 32.7 (x2.04, 'q8') since each block's sign bit and scale
-    # magnitude are small buffers that every element loads.
+    # parameter (x2.02); 32.8 (x2.04, 'q8') since each block's sign bit, code offset
+    # and scale magnitude are small buffers that every element loads.
     if jax.default_backend() != "cpu":
       self.skipTest("XLA:CPU's fusion and cost analysis; XLA:GPU fuses multiple outputs")
     tx = ols.state_dtypes(optax.adam(1e-3), {"mu": fmt, "nu": fmt})

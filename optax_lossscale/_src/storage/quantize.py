@@ -304,10 +304,10 @@ def encode_array(
   ratio = magnitude * per_block
   near_top = np.nextafter(top_value, np.float32(0))
   ratio = jnp.where(ratio >= near_top, top_value, ratio)
-  nonzero = (magnitude > 0) & (per_block != 0)
   above = ((jax.lax.bitcast_convert_type(ratio, jnp.uint32) + noise) >> _SHIFT).astype(jnp.int32)
   negative = v < 0
   if fmt == "fp8":
+    nonzero = (magnitude > 0) & (per_block != 0)
     # e4m3's bits from float32's: the exponent rebiased (127 -> 7) above 2**-6;
     # below, its subnormals, spaced 2**-9, up by one with the same odds.
     normal = above - ((127 - 7) << 3)
@@ -319,12 +319,16 @@ def encode_array(
     scales = jnp.where(kept, largest / _FP8_MAX, largest)  # 0, or NaN for a non-finite block
     return QuantizedArray(_resharded(codes, sharding), scales, count)
   scales = jnp.where(signed, -largest, largest)
-  # A signed block's top code is 255 with the sign bit cleared.
-  sign_bit = expand(_sign_bits(scales))
-  top = _UNSIGNED ^ sign_bit
-  # No code above the top one: `ratio` is at most the top value, whose bits' low 20 are
-  # zero, so no noise carries past its code (one maximum fewer a element than a clip).
-  m = jnp.where(nonzero, jnp.maximum(above - (_ONE + 8 * 8) + top, 1), 0)
+  # Per block, loaded as the multiplier is: the sign bit of its codes, and what takes
+  # `above` to a code, counted down from the top one (255, or 127 for a signed block).
+  # No code comes above the top one: `ratio` is at most the top value, whose bits' low
+  # 20 are zero, so no noise carries past its code; a nonzero value gets code 1 at
+  # least. A block stored as zeros (scale 0) or as NaN (a NaN or an infinity in it)
+  # decodes every code to that, whatever its codes (which are then left as they come).
+  sign_bits = _sign_bits(scales)
+  sign_bit = expand(sign_bits)
+  offset = expand(schedule.materialized((_UNSIGNED ^ sign_bits) - (_ONE + 8 * 8)))
+  m = jnp.where(magnitude > 0, jnp.maximum(above + offset, 1), 0)
   codes = (m | jnp.where(negative, sign_bit, 0)).astype(jnp.uint8)
   return QuantizedArray(_resharded(view.back(codes), sharding), scales, count)
 
