@@ -25,7 +25,8 @@ round-to-nearest overflows from 65520 on; infinities and NaNs stay what they
 are, zeros keep their sign.
 
 Also here, the other ways a float32 value becomes 16 bits in this package:
-`hash_bits`, the cheap random bits `stochastic_rounding` rounds with, and
+`hash_bits`, the cheap random bits `stochastic_rounding` rounds with,
+`cast`, float32 <-> bfloat16 conversions (to nearest) on the bits on a CPU,
 `round_half_away_bfloat16`, how `master_weights` writes bfloat16 parameters
 of a float32 master, and `split_bfloat16` / `join_bfloat16`, that master as
 its bfloat16 rounding and a 16-bit remainder (`master_weights(store='remainder')`).
@@ -147,11 +148,11 @@ def cast(x: jax.Array, dtype: Any) -> jax.Array:
   use `astype` (a GPU converts in one instruction).
 
   Example:
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from optax_lossscale._src.storage import rounding
     >>> x = jnp.array([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -jnp.inf])  # two ties, to even
-    >>> rounding.cast(x, jnp.bfloat16).tolist() == x.astype(jnp.bfloat16).tolist()
-    True
+    >>> jax.jit(lambda x: rounding.cast(x, jnp.bfloat16))(x).tolist()
+    [1.0, 1.015625, -inf]
   """
   x = jnp.asarray(x)
   source, target = np.dtype(x.dtype), np.dtype(dtype)
