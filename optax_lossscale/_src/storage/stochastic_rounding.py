@@ -237,8 +237,9 @@ def stochastic_rounding(
       exact = rounding.cast(p, jnp.float32) + jnp.asarray(u).astype(jnp.float32)
       seed = _leaf_seed(step_key, i, p)
       bits = rounding.hash_bits(seed, p.shape, rounding.explicit_sharding(p))
-      # Its loop ends in a conversion (`round_with_bits`), which XLA:CPU does not repeat
-      # in the one-element read the state waits for (`schedule.after`).
+      # Its loop ends in the rounding's select in the parameter's dtype (see
+      # `round_with_bits`), which XLA:CPU does not repeat in the one-element read the
+      # state waits for (`schedule.after`).
       new_params.append(rounding.round_with_bits(exact, bits, p.dtype))
       own_updates.append(None)
     # The new parameters read the old state (the float32 update comes from it); written
