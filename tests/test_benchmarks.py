@@ -448,3 +448,36 @@ def test_lowbit_optim_vs_torch_benchmark_runs(tmp_path, capsys):
   assert results[bench.JAX_BASE]["vs_own_adam"] == results[bench.TORCH_BASE]["vs_own_adam"] == 1
   assert json.loads((tmp_path / "r.json").read_text())["results"] == results
   assert "| PyTorch | torchao Adam8bit, float32 |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+  jax.default_backend() != "cpu",
+  reason="XLA:CPU's profiler events carry the names of the entry computation's fusions",
+)
+def test_loop_profile_names_every_loop_of_the_compiled_update(capsys):
+  from benchmarks import loop_profile
+  from benchmarks import low_precision_params as lpp
+
+  variant = lpp.update_variants()["Adam, float32 parameters, q8 moments"]
+  params, grads = lpp.update_problem([(64, 256)] * 2)
+  compiled, p, state = lpp.compiled_update(variant, params, grads)
+  entry = compiled.as_text().split("\nENTRY", 1)[1]
+  # The full-size loops, read off the program: the new params (2 leaves) and each
+  # moment's codes (4), a fusion each.
+  full_size = re.findall(r"%([\w.\-]+) = \w+\[64,256\]\{[^}]*\} fusion\(", entry)
+  assert len(full_size) == 6
+  out = loop_profile.loop_times(compiled, p, state, grads, steps=3)
+  kinds = out["kinds"]
+  # Each of them ran once a step, and was counted under its kind.
+  expected: dict[str, int] = {}
+  for name in full_size:
+    kind = re.sub(r"\.\d+$", "", name)
+    expected[kind] = expected.get(kind, 0) + 1
+  for kind, count in expected.items():
+    assert kinds[kind]["per_step"] >= count, kind
+  assert set(kinds) <= {re.sub(r"\.\d+$", "", n) for n in loop_profile.entry_instructions(entry)}
+  assert all(row["median_ms"] > 0 and row["ms_per_step"] > 0 for row in kinds.values())
+  assert out["span_ms"] > 0
+  assert jax.tree.leaves(out["params"])[0].shape == (64, 256)  # the steps went on
+  loop_profile.main(["--quick", "--variants", "Adam, float32 parameters"])
+  assert "| multiply_add_fusion | 12 |" in capsys.readouterr().out  # 3 outputs of 4 leaves
