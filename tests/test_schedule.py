@@ -52,6 +52,10 @@ def test_materialized_and_after_are_the_identity_bit_for_bit(dtype):
   same(out["x"], x)
   assert int(out["count"]) == 7 and bool(out["flag"])
   same(schedule.after(state, dep)["x"], x)  # eagerly too
+  whole = jax.jit(schedule.after_whole)(state, dep, jnp.uint32(0xFFFFFFFF))
+  same(whole["x"], x)
+  assert int(whole["count"]) == 7 and bool(whole["flag"])
+  same(schedule.after_whole(state, dep, 3)["x"], x)
 
 
 def _compiled(tx, grads_dtype=BF16):
@@ -142,3 +146,40 @@ def test_on_cpu_master_weights_over_8_bit_moments_writes_no_float32_gradient(sto
     line for line in entry.splitlines() if "= f32[1024,1024]" in line and " parameter(" not in line
   ]
   assert len(wide) == masters, wide
+
+
+@cpu_only
+@pytest.mark.parametrize("how", ["after", "after_whole"])
+def test_on_cpu_after_whole_waits_for_a_loop_that_after_would_repeat(how):
+  # An 8-bit array overwritten in place by a cheap loop (as state_dtypes' codes), and
+  # a parameter whose loop must come after it. `after` reads one element of the new
+  # codes, which XLA computes on its own inside the parameter's loop (from the old
+  # codes): nothing orders the two. `after_whole` reads it through a conditional.
+  def step(p0, p1, c0, g):
+    new_p0 = p0 + g / (1.0 + c0.astype(jnp.float32))  # reads the old codes
+    new_c0 = (c0.astype(jnp.float32) * 0.5 + jnp.abs(g)).astype(jnp.uint8)
+    new_c0 = schedule.after(new_c0, [new_p0])
+    wait = getattr(schedule, how)
+    args = (g, [new_c0], g[0, 0]) if how == "after_whole" else (g, [new_c0])
+    new_p1 = p1 - wait(*args)
+    return new_p0, new_p1, new_c0
+
+  shape = (256, 512)
+  args = (jnp.ones(shape), jnp.ones(shape), jnp.ones(shape, jnp.uint8), jnp.full(shape, 0.25))
+  compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(*args).compile()
+  entry = compiled.as_text().split("\nENTRY", 1)[1].splitlines()
+  copies = [line for line in entry if re.search(r"\[256,512\]\{[0-9,]*\} copy\(", line)]
+  lines = {}
+  for i, line in enumerate(entry):
+    found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+    if found:
+      lines[found[1]] = i
+  root = next(line for line in entry if line.lstrip().startswith("ROOT"))
+  p0, p1, c0 = (lines[name] for name in re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1]))
+  assert p0 < c0  # `after`, on a loop holding a division: it orders
+  if how == "after_whole":
+    assert c0 < p1 and not copies
+  else:  # XLA's fact, which after_whole exists for: the old codes copied, or read first
+    assert copies or p1 < c0
+  out = jax.jit(step)(*args)
+  np.testing.assert_array_equal(np.asarray(out[1]), np.full(shape, 0.75, np.float32))

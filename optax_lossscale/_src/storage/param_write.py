@@ -108,7 +108,7 @@ def attach_write(kind: str, compute: Compute, settings: dict[str, Any]) -> Calla
     new, updates, new_state, last = compute(grads, state, params, extra_args, apply_to_params)
     if apply_to_params:
       if not nested():  # the parameters returned: the new codes written after `last`
-        new_state = quantize.codes_after(new_state, [jnp.asarray(x) for x in last])
+        new_state = quantize.codes_after_own(new_state, params, [jnp.asarray(x) for x in last])
       return treedef.unflatten(new), new_state
     out = [
       u if u is not None else closest_update(n, o, jnp.promote_types(n.dtype, jnp.float32))

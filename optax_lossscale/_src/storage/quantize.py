@@ -412,6 +412,46 @@ def decode(codes: jax.Array, scales: jax.Array) -> jax.Array:
   return _resharded(view.back(value), sharding)
 
 
+def owners(params: Any) -> Callable[[tuple[Any, ...], Any], int | None]:
+  """A function of a state leaf's path and shape: the index, among the leaves of
+  `params` (flattened), of the parameter the leaf belongs to, the one whose path ends
+  the leaf's (the longest) if it has the leaf's shape (Adam's `mu` and `nu` of a
+  weight); None if none does."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  index = {tuple(path): k for k, (path, _) in enumerate(leaves)}
+
+  def owner(path: tuple[Any, ...], shape: Any) -> int | None:
+    for start in range(len(path)):
+      k = index.get(tuple(path[start:]))
+      if k is not None:
+        return k if tuple(np.shape(leaves[k][1])) == tuple(shape) else None
+    return None
+
+  return owner
+
+
+def codes_after_own(tree: Any, params: Any, written: list[jax.Array]) -> Any:
+  """`tree` whose `QuantizedArray`s' codes XLA:CPU writes after `written[k]`, for the
+  `k`-th leaf of `params` that each belongs to (`owner`); after every array of `written`
+  for one that belongs to none (`codes_after`). The identity elsewhere than on a CPU.
+
+  For a step whose `k`-th written array is the only reader of its parameter's old codes
+  (each parameter's update reads its own moments): one element read per codes array,
+  where `codes_after` reads one of every written array (a program that grows as the
+  square of the leaves: under `master_weights`, 60 leaves' update compiled in 7 s
+  instead of 29).
+  """
+  owner = owners(params)
+
+  def one(path: tuple[Any, ...], x: Any) -> Any:
+    if not is_quantized(x):
+      return x
+    k = owner(path, x.shape)
+    return x._replace(codes=schedule.after(x.codes, written if k is None else [written[k]]))
+
+  return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_quantized)
+
+
 def codes_after(tree: Any, written: list[jax.Array]) -> Any:
   """`tree` whose `QuantizedArray`s' codes XLA:CPU writes after the arrays `written`.
 

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from optax_lossscale._src.step import conditional_step
-from optax_lossscale._src.storage import param_write, quantize, rounding
+from optax_lossscale._src.storage import param_write, quantize, rounding, schedule
 from optax_lossscale._src.utils import dtypes as dtypes_lib
 
 _ACCEPTED = (
@@ -288,8 +288,8 @@ def state_dtypes(
     # its inputs (the gradient and the old codes). The block extremes of both
     # moments are one reduction, and the new params are written from the float32
     # moments; the codes are computed from the extremes, which come through an
-    # optimization barrier, and written after the new params
-    # (`quantize.codes_after`): every reader of the old codes comes before the
+    # optimization barrier, and written after the new params (`in_turn`, below,
+    # one parameter after another): every reader of the old codes comes before the
     # loops that overwrite them in place. (The barrier orders nothing on XLA:CPU,
     # which expands it before its copy removal.) The gradient does not go through
     # the barrier: under `master_weights` it is a float32 conversion of a 16-bit
@@ -297,12 +297,76 @@ def state_dtypes(
     # every loop reading 4 bytes of it instead of 2: x1.9 the update's time).
     counts = {name: x.count + 1 for name, x in stored.items()}
     words = {name: quantize.noise_word(counts[name], salt(name)) for name in stored}
+    if not param_write.nested():
+      return in_turn(params, updates, new_state, state, counts, words)
+    # Under a writer that returns the parameters, which orders the codes after them.
     extremes = block_extremes(new_state)
     extremes, words = jax.lax.optimization_barrier((extremes, words))
-    new_state = to_storage(new_state, state, extremes, counts, words)
-    if not param_write.nested():  # else the writer that returns the parameters orders
-      new_state = quantize.codes_after(new_state, jax.tree.leaves(new_params))
-    return new_params, new_state
+    return new_params, to_storage(new_state, state, extremes, counts, words)
+
+  def in_turn(
+    params: Any, updates: Any, new_state: Any, stored: Any, counts: Any, words: Any
+  ) -> tuple[Any, Any]:
+    """The fused step's new parameters and stored state, one parameter after another.
+
+    On XLA:CPU, the loops of each parameter (its moments' block extremes, its
+    new value, its moments' codes) wait for the codes of the parameter before
+    it (`schedule.after_whole`), and the codes for the new value, which reads
+    the old ones (`schedule.after`): XLA then runs them back to back, while
+    the arrays they all read, the gradient first, are still in the caches. In
+    XLA:CPU's own order the block extremes come first, then every new value,
+    then every code: at 16M parameters, where the arrays no longer stay cached
+    in between, the codes' loops took twice their time per element
+    (`benchmarks/loop_profile.py`). A quantized leaf belongs to the parameter
+    whose path ends its own and whose shape it has (Adam's `mu` and `nu` of a
+    weight); one that belongs to none is stored after every new value
+    (`quantize.codes_after`). Elsewhere than on a CPU, the orders are no-ops.
+    """
+    p_leaves, p_def = jax.tree.flatten(params)
+    u_leaves = p_def.flatten_up_to(updates)
+    s_leaves, s_def = jax.tree_util.tree_flatten_with_path(new_state)
+    values = [leaf for _, leaf in s_leaves]
+    names = [jax.tree_util.keystr(path) for path, _ in s_leaves]
+    owner = quantize.owners(params)
+    owned: dict[int, list[int]] = {k: [] for k in range(len(p_leaves))}
+    for j, (path, leaf) in enumerate(s_leaves):
+      if isinstance(storage(path, leaf), str) and names[j] in counts:
+        k = owner(path, np.shape(leaf))
+        if k is not None:
+          owned[k].append(j)
+    token = next(iter(counts.values()))
+    new_params, written, before = [], {}, []
+    for k, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True)):
+      mine = owned[k]
+      if before:
+        u, moved = schedule.after_whole((u, [values[j] for j in mine]), before, token)
+        for j, v in zip(mine, moved, strict=True):
+          values[j] = v
+      new = optax.apply_updates(p, u)
+      new_params.append(new)
+      if not mine:
+        continue
+      found = quantize.block_extremes_of([values[j] for j in mine])
+      found, mine_words = jax.lax.optimization_barrier((found, [words[names[j]] for j in mine]))
+      for j, (largest, signed), word in zip(mine, found, mine_words, strict=True):
+        fmt = storage(*s_leaves[j])
+        q = quantize.encode_array(
+          values[j], largest, signed, fmt, counts[names[j]], salt(names[j]), word
+        )
+        written[j] = q._replace(codes=schedule.after(q.codes, [new]))
+      before = [written[j].codes for j in mine]
+    # The other leaves as `to_storage` stores them; the parameters' own are left out
+    # (an empty integer array in their place, which it leaves as it is).
+    taken = np.zeros(0, np.int8)
+    rest = s_def.unflatten([taken if j in written else v for j, v in enumerate(values)])
+    extremes, words = jax.lax.optimization_barrier((block_extremes(rest), words))
+    stored_rest = to_storage(rest, stored, extremes, counts, words)
+    out, out_def = jax.tree.flatten(stored_rest, is_leaf=quantize.is_quantized)
+    new_leaves = [jnp.asarray(x) for x in new_params]
+    out = [
+      written[j] if j in written else quantize.codes_after(x, new_leaves) for j, x in enumerate(out)
+    ]
+    return p_def.unflatten(new_params), out_def.unflatten(out)
 
   update_fn = conditional_step.attach(step, {"kind": "state_dtypes", "inner": inner})
 
