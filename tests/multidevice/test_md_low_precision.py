@@ -187,3 +187,32 @@ def test_quantized_moments_and_remainder_are_sharded_like_the_parameter(axis_typ
   expected, expected_state = _run(tx, one_device, grads)
   chex.assert_trees_all_equal(sharded, expected)
   chex.assert_trees_all_equal(state.inner_state, expected_state.inner_state)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_8_bit_moments_of_float32_parameters_step_sharded_as_on_one_device(axis_type):
+  # state_dtypes' own fused step (no writer around it) writes each parameter's codes
+  # after its new value and before the next parameter's loops (schedule.after_whole,
+  # a one-element read through a conditional): sharded, the same as on one device.
+  axis_type = getattr(jax.sharding.AxisType, axis_type)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
+  specs = {"rows": P("data", None), "cols": P(None, "data"), "small": P()}
+  params = {
+    "rows": jnp.linspace(-1.0, 1.0, 64 * 512).reshape(64, 512),
+    "cols": jnp.linspace(0.5, 1.0, 16 * 512).reshape(16, 512),
+    "small": jnp.ones(8),  # under quantize_min_size: float32 moments
+  }
+  grads = lambda i: jax.tree.map(lambda p: jnp.cos(p * 37.0 + i) * 1e-2, params)
+  place = lambda tree: jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  )
+  tx = ols.state_dtypes(optax.adam(1e-3), {"mu": "q8", "nu": "fp8"})
+  with jax.set_mesh(mesh):
+    sharded, state = _run(tx, place(params), lambda i: place(grads(i)))
+  for name in ("rows", "cols"):
+    assert isinstance(state[0].mu[name], ols.QuantizedArray), name
+    assert sharded[name].sharding.is_equivalent_to(NamedSharding(mesh, specs[name]), 2)
+  one_device = jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), params)
+  expected, expected_state = _run(tx, one_device, grads)
+  chex.assert_trees_all_equal(sharded, expected)
+  chex.assert_trees_all_equal(state, expected_state)
