@@ -98,6 +98,26 @@ _BRANCHES = re.compile(
 LAUNCH_KINDS = ("fusion", "custom-call", "copy", "collective", "other")
 
 
+def output_positions(hlo_text: str) -> list[int]:
+  """Where each output of a scheduled program (`compiled.as_text()`) is computed: for
+  each operand of the entry computation's ROOT tuple, in order, the line of the entry
+  computation that defines it (XLA runs a scheduled program's lines in that order).
+
+  >>> text = "HloModule m, is_scheduled=true\\n\\nENTRY %main {\\n  %a = f32[] parameter(0)\\n"
+  >>> text += "  %b = f32[] negate(%a)\\n  ROOT %t = (f32[], f32[]) tuple(%b, %a)\\n}"
+  >>> output_positions(text)
+  [2, 1]
+  """
+  entry = hlo_text.split("\nENTRY", 1)[1].splitlines()
+  defined = {}
+  for i, line in enumerate(entry):
+    found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+    if found:
+      defined[found[1]] = i
+  root = next(line for line in entry if line.lstrip().startswith("ROOT"))
+  return [defined[name] for name in re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1])]
+
+
 def _opcode(rest: str) -> str | None:
   """The opcode of an instruction, given the text after its `=`: shape, then opcode."""
   if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis

@@ -12,7 +12,6 @@ squares and on a block with one outlier 1e4 times the rest.
 from __future__ import annotations
 
 import itertools
-import re
 import zlib
 
 from absl.testing import parameterized
@@ -23,6 +22,7 @@ import ml_dtypes
 import numpy as np
 import optax
 
+from benchmarks import hlo_stats
 import optax_lossscale as ols
 from optax_lossscale._src.storage import quantize
 
@@ -556,22 +556,13 @@ class StateDtypesTest(parameterized.TestCase):
     compiled = step.lower(params, state, params).compile()
     text = compiled.as_text()
     self.assertNotRegex(text, r"\[(256,512|512,256|128,1024)\]\{[0-9,]*\} copy\(")
-    entry = text.split("\nENTRY", 1)[1].splitlines()
-    where = {}
-    for i, line in enumerate(entry):
-      found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
-      if found:
-        where[found[1]] = i
-    root = next(line for line in entry if line.lstrip().startswith("ROOT"))
-    outputs = re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1])
+    outputs = hlo_stats.output_positions(text)
     paths = [
       jax.tree_util.keystr(path)
       for path, _ in jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, params))[0]
     ]
     self.assertLen(outputs, len(shapes) + len(paths))
-    line_of = dict(
-      zip([f"param {k}" for k in shapes] + paths, (where[o] for o in outputs), strict=True)
-    )
+    line_of = dict(zip([f"param {k}" for k in shapes] + paths, outputs, strict=True))
     codes = lambda k: [line_of[p] for p in paths if f"['{k}']" in p and p.endswith(".codes")]
     order = list(shapes)
     for k in order:

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 
+from benchmarks import hlo_stats
 import optax_lossscale as ols
 from optax_lossscale._src.storage import schedule
 
@@ -167,15 +168,9 @@ def test_on_cpu_after_whole_waits_for_a_loop_that_after_would_repeat(how):
   shape = (256, 512)
   args = (jnp.ones(shape), jnp.ones(shape), jnp.ones(shape, jnp.uint8), jnp.full(shape, 0.25))
   compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(*args).compile()
-  entry = compiled.as_text().split("\nENTRY", 1)[1].splitlines()
-  copies = [line for line in entry if re.search(r"\[256,512\]\{[0-9,]*\} copy\(", line)]
-  lines = {}
-  for i, line in enumerate(entry):
-    found = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
-    if found:
-      lines[found[1]] = i
-  root = next(line for line in entry if line.lstrip().startswith("ROOT"))
-  p0, p1, c0 = (lines[name] for name in re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1]))
+  text = compiled.as_text()
+  copies = re.findall(r"\[256,512\]\{[0-9,]*\} copy\(", text)
+  p0, p1, c0 = hlo_stats.output_positions(text)
   assert p0 < c0  # `after`, on a loop holding a division: it orders
   if how == "after_whole":
     assert c0 < p1 and not copies
