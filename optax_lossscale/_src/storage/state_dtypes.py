@@ -224,22 +224,25 @@ def state_dtypes(
       counts = {name: x.count + 1 for name, x in quantized(stored).items()}
     if extremes is None:
       extremes = block_extremes(state)
-
-    def one(path: tuple[Any, ...], leaf: Any) -> Any:
-      dtype = storage(path, leaf)
-      if dtype is None:
-        return leaf
-      if isinstance(dtype, str):
-        name = jax.tree_util.keystr(path)
-        count = counts.get(name, 0)
-        if name not in extremes:  # a leaf quantized alone (init's, eagerly)
-          return quantize.quantize(leaf, dtype, count, salt(name))
-        largest, signed = extremes[name]
-        word = None if words is None else words[name]
-        return quantize.encode_array(leaf, largest, signed, dtype, count, salt(name), word)
-      return rounding.cast(leaf, dtype)
-
+    one = lambda path, leaf: store_leaf(path, leaf, extremes, counts, words)
     return jax.tree_util.tree_map_with_path(one, state)
+
+  def store_leaf(
+    path: tuple[Any, ...], leaf: Any, extremes: Any, counts: Any, words: Any = None
+  ) -> Any:
+    """One leaf of `to_storage`: the leaf at `path` in its storage."""
+    dtype = storage(path, leaf)
+    if dtype is None:
+      return leaf
+    if isinstance(dtype, str):
+      name = jax.tree_util.keystr(path)
+      count = counts.get(name, 0)
+      if name not in extremes:  # a leaf quantized alone (init's, eagerly)
+        return quantize.quantize(leaf, dtype, count, salt(name))
+      largest, signed = extremes[name]
+      word = None if words is None else words[name]
+      return quantize.encode_array(leaf, largest, signed, dtype, count, salt(name), word)
+    return rounding.cast(leaf, dtype)
 
   def block_extremes(state: Any) -> dict[str, tuple[jax.Array, jax.Array]]:
     """Each quantized leaf's block extremes, by path: one reduction over the blocks of
@@ -280,9 +283,8 @@ def state_dtypes(
     stored = quantized(state)
     if not apply_to_params:
       return updates, to_storage(new_state, state)
-    new_params = optax.apply_updates(params, updates)
     if not stored:
-      return new_params, to_storage(new_state, state)
+      return optax.apply_updates(params, updates), to_storage(new_state, state)
     # The fused step (`ols.apply_gradients`), arranged for XLA:CPU. It fuses no
     # multiple outputs: each full-size output is a fusion of its own that re-reads
     # its inputs (the gradient and the old codes). The block extremes of both
@@ -302,6 +304,7 @@ def state_dtypes(
     # Under a writer that returns the parameters, which orders the codes after them.
     extremes = block_extremes(new_state)
     extremes, words = jax.lax.optimization_barrier((extremes, words))
+    new_params = optax.apply_updates(params, updates)
     return new_params, to_storage(new_state, state, extremes, counts, words)
 
   def in_turn(
@@ -348,11 +351,8 @@ def state_dtypes(
         continue
       found = quantize.block_extremes_of([values[j] for j in mine])
       found, mine_words = jax.lax.optimization_barrier((found, [words[names[j]] for j in mine]))
-      for j, (largest, signed), word in zip(mine, found, mine_words, strict=True):
-        fmt = storage(*s_leaves[j])
-        q = quantize.encode_array(
-          values[j], largest, signed, fmt, counts[names[j]], salt(names[j]), word
-        )
+      for j, pair, word in zip(mine, found, mine_words, strict=True):
+        q = store_leaf(s_leaves[j][0], values[j], {names[j]: pair}, counts, {names[j]: word})
         written[j] = q._replace(codes=schedule.after(q.codes, [new]))
       before = [written[j].codes for j in mine]
     # The other leaves as `to_storage` stores them; the parameters' own are left out
