@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 import cProfile
+import gc
 import json
 import pstats
 import statistics
@@ -150,6 +151,9 @@ def _setup(layers: int, form: str) -> tuple[LM, tuple[Any, ...]]:
 
 def _trace_seconds(model: LM, policy: str | None, args: tuple[Any, ...]) -> float:
   step = make_step(model, policy)  # a new function: no jit cache hit on the step itself
+  # A full collection pending from earlier work (70 ms on this heap, half a scan-form
+  # trace) would land in whichever trace comes next: start each from a collected heap.
+  gc.collect()
   start = time.process_time()
   jax.jit(step).trace(*args)
   return time.process_time() - start
@@ -171,18 +175,23 @@ def _in_fresh_process(function: str, *args: Any) -> float:
   return float(out.stdout.strip().splitlines()[-1])
 
 
-def _first_in_fresh_process(layers: int, form: str, variant: str, calls: bool = False) -> float:
-  return _in_fresh_process("_one", layers, form, variant, calls)
+def _first_in_fresh_process(
+  layers: int, form: str, variant: str, calls: bool = False, again: bool = False
+) -> float:
+  return _in_fresh_process("_one", layers, form, variant, calls, again)
 
 
-def _one(layers: int, form: str, variant: str, calls: bool = False) -> float:
-  """The first trace's CPU seconds, or with `calls` its Python function calls."""
+def _one(layers: int, form: str, variant: str, calls: bool = False, again: bool = False) -> float:
+  """The first trace's CPU seconds, or with `calls` its Python function calls; with
+  `again`, those of the re-trace that follows it (a new step around the same model)."""
   model, args = _setup(layers, form)
   trace = lambda: (
     _jaxpr_seconds(model, args)
     if variant == FLOOR
     else _trace_seconds(model, POLICIES[variant], args)
   )
+  if again:
+    trace()
   if not calls:
     return trace()
   profile = cProfile.Profile()
@@ -190,12 +199,19 @@ def _one(layers: int, form: str, variant: str, calls: bool = False) -> float:
   return float(sum(row[1] for row in pstats.Stats(profile).stats.values()))
 
 
+AGAIN = ", re-trace"
+
+
 def call_counts(layers: int, forms: tuple[str, ...]) -> dict[str, dict[str, float]]:
-  """Python function calls of each first trace (fresh processes), by form and variant."""
-  return {
-    form: {v: _first_in_fresh_process(layers, form, v, calls=True) for v in [*POLICIES, FLOOR]}
-    for form in forms
-  }
+  """Python function calls of each first trace (fresh processes), by form and variant,
+  and of each variant's re-trace (`"<variant>, re-trace"`, after a first in its process)."""
+  out: dict[str, dict[str, float]] = {}
+  for form in forms:
+    row = {v: _first_in_fresh_process(layers, form, v, calls=True) for v in [*POLICIES, FLOOR]}
+    for v in POLICIES:
+      row[v + AGAIN] = _first_in_fresh_process(layers, form, v, calls=True, again=True)
+    out[form] = row
+  return out
 
 
 # What a first trace costs, part by part (`--parts`): autocast with its two costliest
@@ -326,8 +342,9 @@ def main() -> None:
     for form, row in counts.items():
       f32, floor = row["float32"], row["float32"] + row[FLOOR]
       for variant, n in row.items():
-        print(f"{form:15}{variant:15}{n:10.0f}  x{n / f32:.2f} of float32")
-      print(f"{form:15}{'f32 + jaxpr':15}{floor:10.0f}  x{floor / f32:.2f} of float32")
+        base = row["float32" + AGAIN] if variant.endswith(AGAIN) else f32
+        print(f"{form:15}{variant:25}{n:10.0f}  x{n / base:.2f} of float32's")
+      print(f"{form:15}{'f32 + jaxpr':25}{floor:10.0f}  x{floor / f32:.2f} of float32's")
     if args.json:
       with open(args.json, "w") as f:
         json.dump({"layers": layers, "calls": counts}, f, indent=2)

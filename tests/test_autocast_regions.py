@@ -131,6 +131,74 @@ def test_identical_blocks_share_one_interpreted_region():
   assert 0 < counts[0] == counts[1] < 4, counts  # the first, the middle and the last blocks
 
 
+def _region_calls(jaxpr):
+  """The regions of a jaxpr (its scan bodies' included): the names of the `jit`s and
+  `custom_jvp` calls that hold a region's work, in order."""
+  out = []
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("jit", "pjit") and eqn.params["name"] == "autocast_region":
+      out.append("jit")
+    elif name == "custom_jvp_call" and eqn.params["call_jaxpr"].jaxpr.eqns:
+      out.append("inline")
+    elif name == "scan":
+      out.extend(_region_calls(eqn.params["jaxpr"].jaxpr))
+  return out
+
+
+def test_a_region_runs_inline_where_it_is_first_met_and_under_its_jit_when_repeated():
+  # Unrolled identical blocks: the first block's regions inline, the later ones call the
+  # jit the first built (traced and differentiated once). A scanned block meets each of
+  # its regions once: all inline, with no jit to trace, linearize and transpose.
+  def stack(p, x):
+    for _ in range(6):  # the first and the last blocks differ (what they read, return)
+      x = x + jnp.tanh(x @ p["w"] + p["b"]) * 0.5
+    return jnp.sum(x)
+
+  def scanned(ws, x):
+    step = lambda h, w: (h + jnp.tanh(h @ w) * 0.5, None)
+    return jnp.sum(lax.scan(step, x, ws)[0])
+
+  policy = HALVES["bfloat16"]
+  p = {"w": jnp.eye(D) / 2, "b": jnp.zeros(D)}
+  unrolled = _region_calls(jax.make_jaxpr(ols.autocast(stack, policy))(p, X).jaxpr)
+  assert unrolled[:2] == ["inline"] * 2 and unrolled.count("jit") == 3, unrolled
+  ws = jnp.stack([jnp.eye(D) / 2] * 4)
+  looped = _region_calls(jax.make_jaxpr(ols.autocast(scanned, policy))(ws, X).jaxpr)
+  assert looped and set(looped) == {"inline"}, looped
+  # The gradients are those of the all-jit program: a region computes the same either way.
+  np.testing.assert_allclose(
+    jax.grad(ols.autocast(stack, policy))(p, X)["w"],
+    jax.grad(stack)(p, X)["w"],
+    rtol=3e-2,
+    atol=3e-2 * float(jnp.max(jnp.abs(jax.grad(stack)(p, X)["w"]))),
+  )
+
+
+def test_a_re_trace_reuses_each_inline_region_s_traced_derivative(monkeypatch):
+  # A region's tangent is one function object per structure: JAX's caches of its
+  # checkpoint's trace, partial evaluation and transposition serve a re-trace, which
+  # evaluates a region's body for its forward values only, not for its derivative (a
+  # tangent rebuilt per call would be traced again: as many evaluations as the first).
+  def scanned(ws, x):
+    step = lambda h, w: (h + jnp.tanh(h @ w) * 0.5, None)
+    return jnp.sum(lax.scan(step, x, ws)[0] ** 2)
+
+  from optax_lossscale._src.autocast import interpreter
+
+  evaluated = []
+  real = interpreter.eval_flat
+  monkeypatch.setattr(interpreter, "eval_flat", lambda *a: evaluated.append(1) or real(*a))
+  ws = jnp.stack([jnp.eye(D) / 2] * 4)
+  autocast_regions._fused_cache.clear()
+  counts = []
+  for _ in range(3):  # each a new function: no jit cache of the step itself
+    evaluated.clear()
+    jax.jit(jax.grad(ols.autocast(lambda w, x: scanned(w, x), HALVES["bfloat16"]))).trace(ws, X)
+    counts.append(len(evaluated))
+  assert counts[0] > counts[1] == counts[2], counts
+
+
 def test_a_scanned_stack_keeps_16_bit_residuals_per_step():
   def scanned(ws, x):
     step = lambda h, w: (h + jnp.tanh(h @ w), None)

@@ -303,7 +303,11 @@ def test_autocast_trace_benchmark_times_every_form(capsys):
     assert autocast_trace._jaxpr_seconds(model, args) > 0
   # --calls: a whole number of calls per trace, in a fresh process.
   calls = autocast_trace.call_counts(2, ("lax.scan",))["lax.scan"]
-  assert set(calls) == {*autocast_trace.POLICIES, autocast_trace.FLOOR}
+  again = {v + autocast_trace.AGAIN for v in autocast_trace.POLICIES}
+  assert set(calls) == {*autocast_trace.POLICIES, autocast_trace.FLOOR, *again}
+  # A re-trace hits the caches the first trace filled (JAX's and autocast's).
+  for v in autocast_trace.POLICIES:
+    assert calls[v + autocast_trace.AGAIN] < calls[v], calls
   assert all(n > 0 and n == int(n) for n in calls.values()), calls
   # --parts: the counterfactuals patch autocast in their own processes, and each feature
   # taken out makes the trace cheaper (a patch that changed nothing would fail here).

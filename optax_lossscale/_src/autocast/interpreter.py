@@ -276,12 +276,29 @@ def writes_narrow(eqn: Any) -> bool:
 
 @contextlib.contextmanager
 def scope() -> Any:
-  """One top-level evaluation: the memo of value kinds."""
+  """One top-level evaluation: the memo of value kinds and of the cached calls met."""
   kinds = _KINDS.set({})
+  met = _MET.set(set())
   try:
     yield
   finally:
     _KINDS.reset(kinds)
+    _MET.reset(met)
+
+
+# The cache keys of the calls (regions) the running top-level evaluation has met.
+_MET: contextvars.ContextVar[set[Any] | None] = contextvars.ContextVar("autocast_met", default=None)
+
+
+def met_before(key: Any) -> bool:
+  """Whether this top-level evaluation has met `key` before (and notes it met now)."""
+  met = _MET.get()
+  if met is None:
+    return False
+  if key in met:
+    return True
+  met.add(key)
+  return False
 
 
 @contextlib.contextmanager
@@ -375,6 +392,11 @@ def _classes(dtype: Any) -> tuple[bool, bool, bool]:
 
 
 def dtype_of(value: Any) -> Any:
+  # A tracer's aval is an attribute (or one property call), where its `dtype` is a
+  # property reading the aval: asked of every value the interpreter reads.
+  aval = getattr(value, "aval", None)
+  if aval is not None:
+    return aval.dtype
   dtype = getattr(value, "dtype", None)
   return np.result_type(value) if dtype is None else dtype
 
@@ -404,12 +426,14 @@ def cast(value: Any, dtype: Any) -> Any:
   Complex values never become real: a complex value asked to become a real
   dtype becomes the complex dtype at least as wide (complex64 for float16).
   """
-  if not is_float(value):
+  current = dtype_of(value)
+  _, floating, complex_ = _classes(current)
+  if not (floating or complex_):
     return value
   dtype = np.dtype(dtype)
-  if is_complex(value) and not jnp.issubdtype(dtype, jnp.complexfloating):
+  if complex_ and not jnp.issubdtype(dtype, jnp.complexfloating):
     dtype = np.dtype(jnp.promote_types(dtype, np.complex64))
-  if dtype_of(value) == dtype:
+  if current == dtype:
     return value
   return lax.convert_element_type(value, dtype)
 

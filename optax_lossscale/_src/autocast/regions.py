@@ -18,9 +18,15 @@ Statistics (sums, means, maxima and what follows from them alone) and small
 values (under `MIN_SAVED_SIZE` elements: counters, scalars) are kept exact.
 
 A region is a `custom_jvp` whose tangent is a `jax.checkpoint` of the
-region's JVP at the restored 16-bit inputs, wrapped in `jax.jit` and cached
-by the region's structure, so that the 24 identical blocks of a model are
-interpreted, differentiated and lowered once (JAX caches by jaxpr identity).
+region's JVP at the restored 16-bit inputs, built once per structure (cached
+by it). Where an evaluation meets a structure first, the region runs inline;
+where it meets it again (the identical blocks of an unrolled model), it calls
+the region under a `jax.jit`, so that the 24 blocks are interpreted,
+differentiated and lowered once (JAX caches by jaxpr identity). A `scan`ned
+block meets each of its regions once: a `jit` there would only add its own
+linearization and transposition to the first trace. Its tangent is one
+function object per structure, so that a re-trace finds the checkpoint's
+trace, partial evaluation and transposition in JAX's caches.
 
 Which equations form a region, and each value's kind, the plan decides
 (`plan`); this module only runs a planned region.
@@ -69,21 +75,40 @@ def saved_in_compute_dtype(value: Any, kind: Kind, compute_dtype: np.dtype) -> b
 def run(
   ctx: interp.Context, region: plan_lib.Region, invals: list[Any], kinds: list[Kind]
 ) -> list[Any]:
-  """Evaluates a region: inline when it keeps nothing, else as its cached fused call."""
+  """Evaluates a region: its equations inline when it keeps nothing, else its cached
+  fused call (under its `jit` where this evaluation met its structure before)."""
   if not region.wrap:
     return interp.eval_flat(ctx, region.eqns, region.invars, region.outvars, invals)
   c = ctx.compute_dtype
   saved = tuple(saved_in_compute_dtype(v, k, c) for v, k in zip(invals, kinds, strict=True))
   copies = [interp.compute_copy(v, c) for v, s in zip(invals, saved, strict=True) if s]
-  fn = _fused(ctx, region, saved)
+  fused = _fused(ctx, region, saved)
+  # The first of its structure in this evaluation runs inline; a repeat (an unrolled
+  # model's next block) calls it under its cached `jit`, traced and differentiated once.
+  repeat = region.key is not None and interp.met_before((ctx, region.key, saved))
+  fn = fused.jitted() if repeat else fused.inline
   with compat.name_stack(region.name_stack):
     return list(fn(*invals, *copies))
 
 
-_fused_cache: OrderedDict[Any, Any] = OrderedDict()
+class _Fused:
+  """A region's `custom_jvp` function, and its `jit` once a repeat asks for it."""
+
+  def __init__(self, inline: Any) -> None:
+    self.inline = inline
+    self._jitted: Any = None
+
+  def jitted(self) -> Any:
+    with _lock:
+      if self._jitted is None:
+        self._jitted = jax.jit(self.inline)
+      return self._jitted
 
 
-def _fused(ctx: interp.Context, region: plan_lib.Region, saved: tuple[bool, ...]) -> Any:
+_fused_cache: OrderedDict[Any, _Fused] = OrderedDict()
+
+
+def _fused(ctx: interp.Context, region: plan_lib.Region, saved: tuple[bool, ...]) -> _Fused:
   if region.key is None:
     return _build(ctx, region, saved)
   key = (ctx, region.key, saved)
@@ -100,8 +125,8 @@ def _fused(ctx: interp.Context, region: plan_lib.Region, saved: tuple[bool, ...]
   return fn
 
 
-def _build(ctx: interp.Context, region: plan_lib.Region, saved: tuple[bool, ...]) -> Any:
-  """`jit(custom_jvp(region))`, its tangent a checkpoint at the saved 16-bit inputs."""
+def _build(ctx: interp.Context, region: plan_lib.Region, saved: tuple[bool, ...]) -> _Fused:
+  """`custom_jvp(region)`, its tangent a checkpoint at the saved 16-bit inputs."""
   eqns, invars, outvars = region.eqns, region.invars, region.outvars
   n = len(invars)
 
@@ -109,24 +134,23 @@ def _build(ctx: interp.Context, region: plan_lib.Region, saved: tuple[bool, ...]
     return interp.eval_flat(ctx, eqns, invars, outvars, xs)
 
   # The forward values (the function's and its JVP rule's primal), their constants apart
-  # from the backward's. (A `jit` of it, traced once for both, stages fewer equations but
-  # makes more Python calls in all: no faster to trace.)
-  forward = _apart(body)
+  # from the backward's: under a `jit`, traced once for both and found in its cache by a
+  # re-trace (it is never differentiated: the rule gives the derivative).
+  forward = jax.jit(_apart(body))
 
   @jax.custom_jvp
   def fused(*args: Any) -> list[Any]:
     return forward(*args[:n])
 
-  def fused_jvp(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, Any]:
-    xs, copies = primals[:n], iter(primals[n:])
-    out = forward(*xs)
-    diff = [
-      i for i in range(n)
-      if interp.is_float(xs[i]) and not isinstance(tangents[i], jax.custom_derivatives.SymbolicZero)
-    ]  # fmt: skip
-    kept = [next(copies) if s else x for x, s in zip(xs, saved, strict=True)]
-    kept = _pinned(kept, saved)
-    dtypes = [interp.dtype_of(x) for x in xs]
+  tangents: dict[Any, Any] = {}
+
+  def tangent_of(diff: tuple[int, ...], dtypes: tuple[Any, ...]) -> Any:
+    """The checkpointed tangent for these differentiated inputs and dtypes: one function
+    object per kind of call, so that JAX's caches of its trace, partial evaluation and
+    transposition (keyed by the function and the jaxpr) serve every later trace."""
+    fn = tangents.get((diff, dtypes))
+    if fn is not None:
+      return fn
 
     def tangent(kept: list[Any], dxs: list[Any]) -> list[Any]:
       restored = [
@@ -141,21 +165,35 @@ def _build(ctx: interp.Context, region: plan_lib.Region, saved: tuple[bool, ...]
 
       return jax.jvp(partial, [restored[i] for i in diff], dxs)[1]
 
-    if not diff:
-      return out, [_zero_tangent(o) for o in out]
-    dxs = [tangents[i] for i in diff]
     # prevent_cse: without the barrier XLA merges what the backward recomputes with the
     # forward's identical subexpressions (a BatchNorm's parameters broadcast to the
     # activations' shape), materialised once and alive from the forward to the backward:
     # the benchmark CNN's compiled temp memory is 25.1 MiB without, 18.6 with (CPU).
-    return out, jax.checkpoint(tangent, prevent_cse=True)(kept, dxs)
+    fn = tangents[(diff, dtypes)] = jax.checkpoint(tangent, prevent_cse=True)
+    return fn
+
+  def fused_jvp(primals: tuple[Any, ...], tangents_in: tuple[Any, ...]) -> tuple[Any, Any]:
+    xs, copies = primals[:n], iter(primals[n:])
+    out = forward(*xs)
+    diff = tuple(
+      i for i in range(n)
+      if interp.is_float(xs[i])
+      and not isinstance(tangents_in[i], jax.custom_derivatives.SymbolicZero)
+    )  # fmt: skip
+    if not diff:
+      return out, [_zero_tangent(o) for o in out]
+    kept = [next(copies) if s else x for x, s in zip(xs, saved, strict=True)]
+    kept = _pinned(kept, saved)
+    dtypes = tuple(interp.dtype_of(x) for x in xs)
+    dxs = [tangents_in[i] for i in diff]
+    return out, tangent_of(diff, dtypes)(kept, dxs)
 
   fused.defjvp(fused_jvp, symbolic_zeros=True)
 
   def autocast_region(*args: Any) -> list[Any]:
     return fused(*args)
 
-  return jax.jit(autocast_region)
+  return _Fused(autocast_region)
 
 
 def _apart(body: Any) -> Any:
