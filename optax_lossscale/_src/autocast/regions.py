@@ -209,11 +209,11 @@ def _apart(body: Any) -> Any:
   without (CPU, jax 0.10.2).
   """
 
-  def apart(*xs: Any) -> list[Any]:
+  def autocast_region_forward(*xs: Any) -> list[Any]:
     with interp.constants_apart():
       return body(*xs)
 
-  return apart
+  return autocast_region_forward
 
 
 def _zero_tangent(x: Any) -> Any:
