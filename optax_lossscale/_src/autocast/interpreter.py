@@ -394,10 +394,9 @@ def _classes(dtype: Any) -> tuple[bool, bool, bool]:
 def dtype_of(value: Any) -> Any:
   # A tracer's aval is an attribute (or one property call), where its `dtype` is a
   # property reading the aval: asked of every value the interpreter reads.
-  aval = getattr(value, "aval", None)
-  if aval is not None:
-    return aval.dtype
-  dtype = getattr(value, "dtype", None)
+  dtype = getattr(getattr(value, "aval", None), "dtype", None)
+  if dtype is None:
+    dtype = getattr(value, "dtype", None)
   return np.result_type(value) if dtype is None else dtype
 
 
