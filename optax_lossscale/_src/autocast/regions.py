@@ -92,7 +92,8 @@ def run(
 
 
 class _Fused:
-  """A region's `custom_jvp` function, and its `jit` once a repeat asks for it."""
+  """A region's `custom_jvp` function, and its `jit` once a repeat asks for it (built
+  then: a scanned block's first trace builds none, 1k Python calls fewer on the GPT)."""
 
   def __init__(self, inline: Any) -> None:
     self.inline = inline
