@@ -288,6 +288,53 @@ class MagnitudeTest(parameterized.TestCase):
         np.testing.assert_array_equal(back[i] == 0, (row == 0) | flushed)
         self.assertLess(flushed.sum(), 3)
 
+  @parameterized.product(fmt=quantize.FORMATS, seed=[0, 1])
+  def test_random_blocks_anywhere_in_float32_s_range(self, fmt, seed):
+    # 1024 blocks, each its own draw: a largest magnitude log-uniform over float32's
+    # range, elements from one of six shapes (uniform, log-uniform over 12 and over 45
+    # decades, arbitrary float32 bits, eighths with many ties, just below the largest),
+    # a twentieth of them zero, half the blocks signed; a random count.
+    rng = np.random.default_rng(seed)
+    n = 1024
+    top = np.minimum(10.0 ** rng.uniform(-37.5, 38.6, (n, 1)), np.finfo(np.float32).max)
+    u = rng.uniform(0.0, 1.0, (n, 256))
+    below_one = rng.integers(0, 0x3F800000, (n, 256)).astype(np.uint32).view(np.float32)
+    shapes = np.stack([
+      u,
+      10.0 ** rng.uniform(-12, 0, (n, 256)),
+      10.0 ** rng.uniform(-45, 0, (n, 256)),
+      below_one,
+      np.round(u * 8) / 8,
+      1 - 10.0 ** rng.uniform(-8, 0, (n, 256)),
+    ])  # fmt: skip
+    r = shapes[rng.integers(0, len(shapes), n), np.arange(n)]
+    r[:, 0] = 1.0
+    r[rng.uniform(0.0, 1.0, (n, 256)) < 0.05] = 0.0
+    signs = np.where(rng.uniform(0.0, 1.0, (n, 256)) < 0.5, -1.0, 1.0)
+    r = np.where(rng.uniform(0.0, 1.0, (n, 1)) < 0.5, r * signs, r)
+    x = rng.permuted(top * r, axis=1).astype(np.float32)
+    q = quantize_(jnp.asarray(x), fmt, jnp.uint32(rng.integers(0, 2**32)))
+    back = np.asarray(dequantize_(q), np.float64)
+    x = x.astype(np.float64)
+    a = np.abs(x).max(1, keepdims=True)
+    signed = np.asarray(q.scales)[:, :1] < 0
+    kinds = ["fp8"] if fmt == "fp8" else ["q8 unsigned", "q8 signed"]
+    rel, floor = (np.choose(signed, [quantize.ERROR_BOUNDS[k][i] for k in kinds]) for i in (0, 1))
+    # The bound, with float32's rounding on the floor too (the smallest code times a).
+    bound = np.maximum(rel * np.abs(x), floor * a * (1 + 1e-6))
+    flushed = (back == 0) & (x != 0) & (np.abs(x) < 2.0**-125)
+    negligible = a < 2.0**-100  # stored as zeros
+    error = np.where(flushed | negligible, 0.0, np.abs(back - x))
+    self.assertFalse(np.any(np.isnan(back)))
+    self.assertTrue(np.all(error <= bound), float(np.max(error / bound)))
+    self.assertGreater(float(np.max(error / bound)), 0.9)  # not a vacuous bound
+    self.assertFalse(np.any(np.sign(back) * np.sign(x) < 0))
+    np.testing.assert_array_equal(back == 0, (x == 0) | flushed | (negligible & (x != 0)))
+    if fmt == "q8":  # a block is signed where it holds a value below -2**-126
+      kept = ~negligible[:, 0]
+      tiny = np.finfo(np.float32).tiny
+      np.testing.assert_array_equal(signed[kept, 0], np.any(x < -tiny, 1)[kept])
+
   def test_q8_block_above_2_to_the_126(self):
     # XLA:CPU divides by a block's largest as a product with its reciprocal, which is
     # subnormal (flushed to zero) above 2**126: every element came back as the
@@ -496,6 +543,52 @@ class StateDtypesTest(parameterized.TestCase):
       ref_params, ref_state = plain(grads_at(i), ref_state, ref_params)
       chex.assert_trees_all_equal(params, ref_params)
       chex.assert_trees_all_equal(state, ref_state)
+
+  @parameterized.product(
+    fmt=quantize.FORMATS,
+    inner=["adam", "adamw", "lion", "sgd with momentum"],
+  )
+  def test_apply_gradients_equals_update_on_random_magnitudes(self, fmt, inner):
+    # Blocks from 1e-30 to 1e15 (squares short of float32's overflow), parameters of
+    # several shapes (one not a multiple of 256 elements), any elementwise optimizer:
+    # the fused step gives what tx.update and optax.apply_updates give, bit for bit,
+    # and no NaN.
+    make = {
+      "adam": lambda: optax.adam(1e-3),
+      "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+      "lion": lambda: optax.lion(1e-4),
+      "sgd with momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    }[inner]
+    tx = ols.state_dtypes(make(), fmt, quantize_min_size=256)
+    rng = np.random.default_rng(zlib.crc32(f"{fmt} {inner}".encode()))
+    shapes = {"w": (24, 512), "v": (1000,), "u": (3, 4, 256)}
+
+    def draw():
+      def one(shape):
+        rows = (*shape[:-1], 1) if len(shape) > 1 else (1,)
+        magnitude = 10.0 ** rng.uniform(-30, 15, rows) * 10.0 ** rng.uniform(-6, 0, shape)
+        return jnp.asarray((magnitude * rng.standard_normal(shape)).astype(np.float32))
+
+      return {k: one(v) for k, v in shapes.items()}
+
+    fused = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+
+    @jax.jit
+    def plain(g, s, p):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    params = ref_params = draw()
+    state = ref_state = tx.init(params)
+    for _ in range(3):
+      grads = draw()
+      params, state = fused(grads, state, params)
+      ref_params, ref_state = plain(grads, ref_state, ref_params)
+      chex.assert_trees_all_equal(params, ref_params)
+      chex.assert_trees_all_equal(state, ref_state)
+      for leaf in jax.tree.leaves((params, state)):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+          self.assertFalse(bool(jnp.isnan(leaf.astype(jnp.float32)).any()))
 
   @parameterized.parameters(*quantize.FORMATS)
   def test_compiled_update_bytes_on_cpu(self, fmt):
