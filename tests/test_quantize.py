@@ -389,6 +389,24 @@ def grads_at(step, dtype=jnp.float32):
   )
 
 
+def fused_and_plain(tx, params, grads_seq):
+  """Steps `params` with `grads_seq` twice side by side: with the fused step
+  (`ols.apply_gradients`) and with `tx.update` then `optax.apply_updates`.
+  Yields `((params, state), (params, state))` of the two after each step."""
+  fused = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
+
+  @jax.jit
+  def plain(g, s, p):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  got = want = (params, tx.init(params))
+  for grads in grads_seq:
+    got = fused(grads, got[1], got[0])
+    want = plain(grads, want[1], want[0])
+    yield got, want
+
+
 class StateDtypesTest(parameterized.TestCase):
   def test_adam_steps_equal_a_hand_written_quantized_loop(self):
     choice = {"mu": "q8", "nu": "fp8"}
@@ -529,20 +547,8 @@ class StateDtypesTest(parameterized.TestCase):
     # The fused step runs the inner update twice (the codes after a barrier): it must
     # give what tx.update and optax.apply_updates give, bit for bit.
     tx = ols.state_dtypes(optax.adam(1e-2), {"mu": fmt, "nu": fmt})
-    fused = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
-
-    @jax.jit
-    def plain(g, s, p):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    params = ref_params = params_of()
-    state = ref_state = tx.init(params)
-    for i in range(4):
-      params, state = fused(grads_at(i), state, params)
-      ref_params, ref_state = plain(grads_at(i), ref_state, ref_params)
-      chex.assert_trees_all_equal(params, ref_params)
-      chex.assert_trees_all_equal(state, ref_state)
+    for got, want in fused_and_plain(tx, params_of(), [grads_at(i) for i in range(4)]):
+      chex.assert_trees_all_equal(got, want)
 
   @parameterized.product(
     fmt=quantize.FORMATS,
@@ -571,22 +577,9 @@ class StateDtypesTest(parameterized.TestCase):
 
       return {k: one(v) for k, v in shapes.items()}
 
-    fused = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))
-
-    @jax.jit
-    def plain(g, s, p):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    params = ref_params = draw()
-    state = ref_state = tx.init(params)
-    for _ in range(3):
-      grads = draw()
-      params, state = fused(grads, state, params)
-      ref_params, ref_state = plain(grads, ref_state, ref_params)
-      chex.assert_trees_all_equal(params, ref_params)
-      chex.assert_trees_all_equal(state, ref_state)
-      for leaf in jax.tree.leaves((params, state)):
+    for got, want in fused_and_plain(tx, draw(), [draw() for _ in range(3)]):
+      chex.assert_trees_all_equal(got, want)
+      for leaf in jax.tree.leaves(got):
         if jnp.issubdtype(leaf.dtype, jnp.floating):
           self.assertFalse(bool(jnp.isnan(leaf.astype(jnp.float32)).any()))
 
