@@ -20,6 +20,7 @@ install: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # `make test`: ruff, then every test but the end-to-end runs of the examples,
 # the notebooks and the benchmark scripts, which `make test-examples` runs
@@ -48,6 +49,7 @@ EXTENDED_TESTS := $(addprefix tests/,test_autocast_corpus.py test_autocast_corpu
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -n 2 --dist loadfile $(addprefix --ignore=,$(EXAMPLE_TESTS) $(EXTENDED_TESTS))
 
 test-extended: $(STAMP)
