@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= dev,flax,bench,equinox,libraries
 
 .PHONY: install test test-examples test-extended lint demo bench bench-quick clean docs dist-check
-.PHONY: test-compat test-lowest test-py312 test-py313 test-newest constraints-lowest
+.PHONY: test-compat test-lowest test-py312 test-py313 test-newest test-jax011 constraints-lowest
 .PHONY: constraints-newest
 
 $(STAMP): pyproject.toml constraints.txt
@@ -133,10 +133,11 @@ TEST_DEPS := pytest pytest-xdist hypothesis jmp chex
 NEWEST_DEPS := $(TEST_DEPS) scikit-learn
 LOWEST := .venv-lowest
 NEWEST := .venv-newest
+JAX011 := .venv-jax011
 PY312 := .venv-py312
 PY313 := .venv-py313
 
-test-compat: test-lowest test-py312 test-py313 test-newest
+test-compat: test-lowest test-py312 test-py313 test-newest test-jax011
 
 # The lowest declared versions (pyproject.toml's lower bounds, everything else
 # pinned by constraints-lowest.txt) on Python 3.11.
@@ -172,6 +173,19 @@ $(NEWEST)/.installed-stamp: pyproject.toml constraints-newest.txt
 	  $(NEWEST_DEPS)
 	touch $@
 
+# jax 0.11, the release between the pinned 0.10 and the newest 0.12, with the newest set
+# otherwise (constraints-newest.txt but its jax and jaxlib) on Python 3.12: the same test
+# files as test-newest.
+test-jax011: $(JAX011)/.installed-stamp
+	$(JAX011)/bin/python -m pytest -n 2 --dist loadfile $(NEWEST_TESTS)
+
+$(JAX011)/.installed-stamp: pyproject.toml constraints-newest.txt
+	test -x $(JAX011)/bin/python || $$(.ci/find-python 3.12) -m venv $(JAX011)
+	grep -vE '^jax(lib)?==' constraints-newest.txt > $(JAX011)/constraints.txt
+	$(JAX011)/bin/python -m pip install --quiet -c $(JAX011)/constraints.txt jax==0.11.2 \
+	  jaxlib==0.11.2 -e '.[flax,equinox,libraries]' $(NEWEST_DEPS)
+	touch $@
+
 # Regenerates constraints-newest.txt (after a jax or flax release): a fresh
 # Python 3.12 environment holding the newest releases pip resolves today, frozen.
 constraints-newest:
@@ -196,4 +210,4 @@ constraints-lowest:
 	rm -rf .venv-freeze
 
 clean:
-	rm -rf $(VENV) $(LOWEST) $(NEWEST) $(PY312) $(PY313) $(DIST_VENV) build dist *.egg-info docs/_build
+	rm -rf $(VENV) $(LOWEST) $(NEWEST) $(JAX011) $(PY312) $(PY313) $(DIST_VENV) build dist *.egg-info docs/_build
