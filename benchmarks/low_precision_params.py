@@ -351,9 +351,12 @@ def _nbytes(tree: Any) -> int:
   return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def compiled_update(variant: Variant, params: Any, grads: Any) -> tuple[Any, Any, Any]:
+def compiled_update(
+  variant: Variant, params: Any, grads: Any, compiler_options: dict[str, Any] | None = None
+) -> tuple[Any, Any, Any]:
   """`variant`'s update compiled as `(params, state, grads) -> (params, state)`, donating
   the params and the state; `(compiled, params, state)` in the variant's dtype.
+  `compiler_options` are XLA's, for this compile (`Lowered.compile`'s).
 
   The donated arguments come in the order of the outputs: JAX pairs each donated
   buffer with the first unclaimed output of its shape and dtype, in argument
@@ -370,7 +373,7 @@ def compiled_update(variant: Variant, params: Any, grads: Any) -> tuple[Any, Any
   p = cast(params)
   state = variant.init(p)
   step = jax.jit(lambda p, s, g: variant.step(g, s, p), donate_argnums=(0, 1), keep_unused=True)
-  return step.lower(p, state, cast(grads)).compile(), p, state
+  return step.lower(p, state, cast(grads)).compile(compiler_options), p, state
 
 
 def bytes_accessed(compiled: Any) -> float:
@@ -393,6 +396,7 @@ def update_cost(
   steps: int = 5,
   shapes: list[tuple[int, int]] | None = None,
   names: list[str] | None = None,
+  compiler_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
   """The update alone (4 matrices of 1024 x 1024 unless `shapes`): median ms, the median
   per-round ratio to bare Adam on float32 parameters and to `master_weights`, variants
@@ -401,6 +405,8 @@ def update_cost(
   gradient, the params and the state, write the params and the state, as allocated).
 
   `names` picks some of `update_variants` (bare Adam and `master_weights` always run).
+  `compiler_options` (XLA's, such as `{"xla_cpu_prefer_vector_width": 512}`) compile
+  every variant, the baselines included.
   """
   if shapes is None:
     shapes = [(64, 256)] if quick else [(1024, 1024)] * 4
@@ -414,7 +420,7 @@ def update_cost(
   n = int(sum(np.prod(s) for s in shapes))
   runs, sizes = {}, {}
   for name, variant in chosen.items():
-    step, p, state = compiled_update(variant, params, grads)
+    step, p, state = compiled_update(variant, params, grads, compiler_options)
     g = jax.tree.map(lambda x, d=variant.dtype: jnp.array(x, d, copy=True), grads)
     held = _nbytes((p, state))
     sizes[name] = {
@@ -441,6 +447,7 @@ def update_cost(
   return {
     "params": n,
     "rounds": rounds,
+    "compiler_options": dict(compiler_options or {}),
     "results": {
       name: {
         "ms": float(np.median(t) * 1e3),
@@ -520,9 +527,10 @@ def measure(
   rounds: int = 7,
   only: set[str] | None = None,
   update_side: int = 1024,
+  compiler_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
   """Trains every variant on every problem and seed, then times the first seed's steps;
-  then `update_cost` and `bytes_table`."""
+  then `update_cost` (compiled with `compiler_options`) and `bytes_table`."""
   if only is not None and not only <= set(PARTS):
     raise ValueError(f"only must name some of {PARTS}; got {sorted(only)}.")
   # (problem maker, seeds, steps timed per round: enough that a round outlasts the noise)
@@ -583,7 +591,11 @@ def measure(
   }
   out = {"meta": meta, "workloads": report}
   if only is None or "update" in only:
-    out["update"] = update_cost(quick=quick, shapes=None if quick else [(update_side,) * 2] * 4)
+    out["update"] = update_cost(
+      quick=quick,
+      shapes=None if quick else [(update_side,) * 2] * 4,
+      compiler_options=compiler_options,
+    )
   if only is None or "bytes" in only:
     out["bytes"] = bytes_table(quick=quick)
   if only is None or "bits" in only:
@@ -612,7 +624,8 @@ def markdown(report: dict[str, Any]) -> str:
     u = report["update"]
     lines += [
       f"**Optimizer update alone**: {u['params'] / 1e6:.2f}M parameters, median of"
-      f" {u['rounds']} interleaved rounds; bytes per parameter held (params and state),"
+      f" {u['rounds']} interleaved rounds{_compiled_with(u)}; bytes per parameter held"
+      " (params and state),"
       " accessed by the compiled program (XLA's cost analysis) and the minimum (read"
       " the gradient, params and state, write params and state).",
       "",
@@ -653,6 +666,25 @@ def markdown(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def _compiled_with(update: dict[str, Any]) -> str:
+  options = update.get("compiler_options") or {}
+  if not options:
+    return ""
+  return ", every variant compiled with " + ", ".join(f"`{k}={v}`" for k, v in options.items())
+
+
+def compiler_option(text: str) -> tuple[str, Any]:
+  """`KEY=VALUE` as XLA's compile option `(KEY, VALUE)`: an integer, a boolean or a string."""
+  key, sep, value = text.partition("=")
+  if not sep or not key.startswith("xla_"):
+    raise argparse.ArgumentTypeError(f"expected xla_<option>=<value>, got {text!r}")
+  if value.lstrip("-").isdigit():
+    return key, int(value)
+  if value.lower() in ("true", "false"):
+    return key, value.lower() == "true"
+  return key, value
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="tiny sizes and steps (a smoke test)")
@@ -669,6 +701,15 @@ def main(argv: list[str] | None = None) -> None:
     help="the update part's 4 matrices are this square (1024: 4M parameters, 2048: 16M)",
   )
   parser.add_argument(
+    "--compiler-option",
+    type=compiler_option,
+    action="append",
+    default=[],
+    metavar="xla_OPTION=VALUE",
+    help="an XLA option every variant of the update part is compiled with (repeatable),"
+    " e.g. xla_cpu_prefer_vector_width=512 (XLA:CPU's vectors are 256 bits by default)",
+  )
+  parser.add_argument(
     "--tag",
     default="",
     help="written as low_precision_params-<backend>-<tag>.json/.md (runs kept side by side)",
@@ -677,7 +718,12 @@ def main(argv: list[str] | None = None) -> None:
   start = time.perf_counter()
   only = None if args.only is None else set(args.only.split(","))
   report = measure(
-    quick=args.quick, seeds=args.seeds, rounds=args.rounds, only=only, update_side=args.update_side
+    quick=args.quick,
+    seeds=args.seeds,
+    rounds=args.rounds,
+    only=only,
+    update_side=args.update_side,
+    compiler_options=dict(args.compiler_option) or None,
   )
   table = markdown(report)
   print(table)

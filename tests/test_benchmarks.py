@@ -7,6 +7,7 @@ The kernel counter is checked on the optimized HLO of three steps compiled on
 an H100 (`tests/data/adam_1M-*.hlo.txt`, from the GPU measurements).
 """
 
+import argparse
 import doctest
 import importlib
 import importlib.util
@@ -425,6 +426,36 @@ def test_low_precision_update_at_a_chosen_size_is_written_under_its_tag(tmp_path
   assert report["update"]["params"] == 4 * 64 * 64
   assert set(report["update"]["results"]) == set(lpp.update_variants())
   assert "| Adam, float32 parameters |" in stem.with_suffix(".md").read_text()
+
+
+def test_low_precision_update_compiled_with_the_options_given(tmp_path, capsys):
+  # XLA:CPU's 512-bit vectors, the option BENCHMARKS' second table is measured with: every
+  # variant, the baselines included, compiled with it, and the run says so.
+  from benchmarks import low_precision_params as lpp
+
+  assert lpp.compiler_option("xla_cpu_prefer_vector_width=512") == (
+    "xla_cpu_prefer_vector_width",
+    512,
+  )
+  assert lpp.compiler_option("xla_cpu_enable_fast_math=false") == (
+    "xla_cpu_enable_fast_math",
+    False,
+  )
+  with pytest.raises(argparse.ArgumentTypeError, match="xla_<option>=<value>"):
+    lpp.compiler_option("prefer_vector_width")
+  options = ["--compiler-option", "xla_cpu_prefer_vector_width=512"]
+  lpp.main(
+    ["--only", "update", "--update-side", "64", "--tag", "w512", "--out", str(tmp_path), *options]
+  )
+  stem = tmp_path / f"low_precision_params-{jax.default_backend()}-w512"
+  report = json.loads(stem.with_suffix(".json").read_text())
+  assert report["update"]["compiler_options"] == {"xla_cpu_prefer_vector_width": 512}
+  assert set(report["update"]["results"]) == set(lpp.update_variants())
+  text = stem.with_suffix(".md").read_text()
+  assert "every variant compiled with `xla_cpu_prefer_vector_width=512`" in text
+  # Compiled with the option given: an option XLA does not know fails the compile.
+  with pytest.raises(Exception, match="no_such_option"):
+    lpp.update_cost(quick=True, names=[], compiler_options={"xla_no_such_option": 1})
 
 
 @pytest.mark.skipif(not _installed("torch"), reason="compares with PyTorch, not a dependency")
