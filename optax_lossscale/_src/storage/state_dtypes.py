@@ -118,7 +118,7 @@ def state_dtypes(
   with `jax.jit(..., compiler_options={'xla_cpu_prefer_vector_width': 512})`
   (XLA:CPU's vectors are 256 bits by default), which took the q8 Adam
   update from x1.66-x1.99 to x1.34-x1.44 of float32 Adam's time (4M-16M
-  parameters), the same results.
+  parameters), the update's results the same bit for bit.
 
   Unlike optax's `scale_by_adam(mu_dtype=...)`, which sets the first moment
   of the Adam family only, this works for any optax optimizer and any state
