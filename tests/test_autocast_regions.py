@@ -170,15 +170,20 @@ def test_a_region_runs_inline_where_it_is_first_met_and_under_its_jit_when_repea
   looped = _region_calls(jax.make_jaxpr(ols.autocast(scanned, policy))(ws, X).jaxpr)
   assert looped and set(looped) == {"inline"}, looped
   # A region computes the same inline or under its jit: in one compiled program the
-  # gradients are bit for bit those with every region under its jit (JAX inlines the
-  # calls before XLA fuses), and within bfloat16's rounding of float32's.
+  # gradients are those with every region under its jit (XLA inlines the calls before
+  # it fuses), and within bfloat16's rounding of float32's. Bit for bit as checked on
+  # XLA:CPU; elsewhere within one bfloat16 rounding (2**-8) of the largest gradient,
+  # in case another backend's fusion rounds one side's 16-bit work apart.
   grad = lambda: jax.jit(jax.grad(ols.autocast(stack, policy)))(p, X)
   mixed = grad()
   monkeypatch.setattr(autocast_regions.interp, "met_before", lambda key: True)
   all_jit = grad()
   forced = _region_calls(jax.make_jaxpr(ols.autocast(stack, policy))(p, X).jaxpr)
   assert set(forced) == {"jit"} and len(forced) >= len(unrolled), forced
-  chex.assert_trees_all_equal(mixed, all_jit)
+  if jax.default_backend() == "cpu":
+    chex.assert_trees_all_equal(mixed, all_jit)
+  for got, want in zip(jax.tree.leaves(mixed), jax.tree.leaves(all_jit), strict=True):
+    np.testing.assert_allclose(got, want, rtol=0, atol=2**-8 * float(jnp.max(jnp.abs(want))))
   expected = jax.grad(stack)(p, X)["w"]
   np.testing.assert_allclose(
     mixed["w"], expected, rtol=3e-2, atol=3e-2 * float(jnp.max(jnp.abs(expected)))
