@@ -446,6 +446,7 @@ def update_cost(
   bare, master = times["Adam, float32 parameters"], times["master_weights"]
   return {
     "params": n,
+    "leaves": len(shapes),
     "rounds": rounds,
     "compiler_options": dict(compiler_options or {}),
     "results": {
@@ -528,9 +529,11 @@ def measure(
   only: set[str] | None = None,
   update_side: int = 1024,
   compiler_options: dict[str, Any] | None = None,
+  update_leaves: int = 4,
 ) -> dict[str, Any]:
   """Trains every variant on every problem and seed, then times the first seed's steps;
-  then `update_cost` (compiled with `compiler_options`) and `bytes_table`."""
+  then `update_cost` (`update_leaves` matrices of `update_side` squared, compiled with
+  `compiler_options`) and `bytes_table`."""
   if only is not None and not only <= set(PARTS):
     raise ValueError(f"only must name some of {PARTS}; got {sorted(only)}.")
   # (problem maker, seeds, steps timed per round: enough that a round outlasts the noise)
@@ -593,7 +596,7 @@ def measure(
   if only is None or "update" in only:
     out["update"] = update_cost(
       quick=quick,
-      shapes=None if quick else [(update_side,) * 2] * 4,
+      shapes=None if quick else [(update_side,) * 2] * update_leaves,
       compiler_options=compiler_options,
     )
   if only is None or "bytes" in only:
@@ -623,7 +626,8 @@ def markdown(report: dict[str, Any]) -> str:
   if "update" in report:
     u = report["update"]
     lines += [
-      f"**Optimizer update alone**: {u['params'] / 1e6:.2f}M parameters, median of"
+      f"**Optimizer update alone**: {u['params'] / 1e6:.2f}M parameters"
+      f" in {u.get('leaves', 4)} matrices, median of"
       f" {u['rounds']} interleaved rounds{_compiled_with(u)}; bytes per parameter held"
       " (params and state),"
       " accessed by the compiled program (XLA's cost analysis) and the minimum (read"
@@ -701,6 +705,12 @@ def main(argv: list[str] | None = None) -> None:
     help="the update part's 4 matrices are this square (1024: 4M parameters, 2048: 16M)",
   )
   parser.add_argument(
+    "--update-leaves",
+    type=int,
+    default=4,
+    help="how many matrices the update part steps (many small leaves, as a model's: 64 of 256)",
+  )
+  parser.add_argument(
     "--compiler-option",
     type=compiler_option,
     action="append",
@@ -723,6 +733,7 @@ def main(argv: list[str] | None = None) -> None:
     rounds=args.rounds,
     only=only,
     update_side=args.update_side,
+    update_leaves=args.update_leaves,
     compiler_options=dict(args.compiler_option) or None,
   )
   table = markdown(report)

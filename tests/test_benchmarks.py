@@ -423,7 +423,14 @@ def test_low_precision_update_at_a_chosen_size_is_written_under_its_tag(tmp_path
   )
   stem = tmp_path / f"low_precision_params-{jax.default_backend()}-update-16K"
   report = json.loads(stem.with_suffix(".json").read_text())
-  assert report["update"]["params"] == 4 * 64 * 64
+  assert report["update"]["params"] == 4 * 64 * 64 and report["update"]["leaves"] == 4
+  assert "in 4 matrices" in stem.with_suffix(".md").read_text()
+  # Many small leaves, as a model's (the per-leaf costs of a step show there).
+  many = ["--update-side", "16", "--update-leaves", "24", "--tag", "many", "--out", str(tmp_path)]
+  lpp.main(["--only", "update", *many])
+  stem = tmp_path / f"low_precision_params-{jax.default_backend()}-many"
+  report = json.loads(stem.with_suffix(".json").read_text())
+  assert report["update"]["params"] == 24 * 16 * 16 and report["update"]["leaves"] == 24
   assert set(report["update"]["results"]) == set(lpp.update_variants())
   assert "| Adam, float32 parameters |" in stem.with_suffix(".md").read_text()
 
