@@ -1,4 +1,5 @@
-"""Reading the dtypes of a jaxpr's equations, sub-jaxprs (control flow, custom rules) included."""
+"""Reading a jaxpr: its equations' dtypes, sub-jaxprs (control flow, custom rules) included,
+and which values are computed from which."""
 
 from collections.abc import Iterator
 
@@ -24,6 +25,23 @@ def equations(jaxpr) -> Iterator:
     for value in eqn.params.values():
       for sub in _subjaxprs(value):
         yield from equations(sub)
+
+
+def depends_on(jaxpr, var, target) -> bool:
+  """Whether `var` of `jaxpr`'s top level is computed from `target` (a variable of it):
+  an equation's outputs depend on all its inputs (a `cond`'s on every branch's)."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  produced = {v: e for e in jaxpr.eqns for v in e.outvars}
+  seen, todo = set(), [var]
+  while todo:
+    v = todo.pop()
+    if v is target:
+      return True
+    if v in seen or v not in produced:
+      continue
+    seen.add(v)
+    todo.extend(x for x in produced[v].invars if not isinstance(x, jax.extend.core.Literal))
+  return False
 
 
 def in_dtypes(eqn) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ squares and on a block with one outlier 1e4 times the rest.
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 import zlib
 
 from absl.testing import parameterized
@@ -24,7 +25,7 @@ import optax
 
 from benchmarks import hlo_stats
 import optax_lossscale as ols
-from optax_lossscale._src.storage import quantize
+from optax_lossscale._src.storage import quantize, schedule
 
 BF16 = jnp.bfloat16
 RNG = np.random.default_rng(0)
@@ -630,18 +631,20 @@ class StateDtypesTest(parameterized.TestCase):
     # XLA:CPU's own order ran every parameter's new value, then every code: at 16M
     # parameters the codes' loops then read a gradient long out of the caches, and took
     # twice their time per element. In the compiled program each parameter's new value
-    # now comes after the codes of the parameter before it, and its own codes after it;
-    # nothing is copied, and the bytes are those of one parameter alone.
+    # now comes after the codes of the parameter before it (for parameters of at least
+    # `schedule.WINDOW` elements, as these), and its own codes after it; nothing is
+    # copied, and the bytes are those of one parameter alone.
     if jax.default_backend() != "cpu" or tuple(map(int, jax.__version__.split(".")[:2])) < (0, 10):
       self.skipTest("XLA:CPU's schedule of its compiled program, read with jax 0.10's XLA")
     tx = ols.state_dtypes(optax.adam(1e-3), {"mu": fmt, "nu": fmt})
-    shapes = {"a": (256, 512), "b": (512, 256), "c": (128, 1024)}
+    shapes = {"a": (512, 512), "b": (1024, 256), "c": (256, 1024)}
+    self.assertEqual(min(np.prod(s) for s in shapes.values()), schedule.WINDOW)
     params = {k: jnp.full(s, 0.5) for k, s in shapes.items()}
     state = tx.init(params)
     step = jax.jit(lambda p, s, g: ols.apply_gradients(tx, g, s, p), donate_argnums=(0, 1))
     compiled = step.lower(params, state, params).compile()
     text = compiled.as_text()
-    self.assertNotRegex(text, r"\[(256,512|512,256|128,1024)\]\{[0-9,]*\} copy\(")
+    self.assertNotRegex(text, r"\[(512,512|1024,256|256,1024)\]\{[0-9,]*\} copy\(")
     outputs = hlo_stats.output_positions(text)
     paths = [
       jax.tree_util.keystr(path)
@@ -663,6 +666,29 @@ class StateDtypesTest(parameterized.TestCase):
     fused = ols.apply_gradients(tx, grads, state, params)
     u, new_state = tx.update(grads, state, params)
     chex.assert_trees_all_equal(fused, (optax.apply_updates(params, u), new_state))
+
+  def test_small_parameters_wait_for_the_one_a_window_of_elements_before(self):
+    # A chain of small parameters ran on one core of XLA:CPU (a small loop is not split):
+    # each waits instead for the codes of the parameter WINDOW elements before it. Six
+    # leaves of a quarter of the window: the fifth waits for the first, the sixth for
+    # the second; the first four wait for none. Still bit for bit `tx.update`'s.
+    tx = ols.state_dtypes(optax.adam(1e-3), {"mu": "q8", "nu": "q8"})
+    side = int(np.sqrt(schedule.WINDOW // 4))
+    params = {f"w{i}": jnp.full((side, side), 0.5 + i) for i in range(6)}
+    state = tx.init(params)
+    grads = jax.tree.map(lambda p: jnp.cos(p * 3.0), params)
+    waited = []
+    whole = schedule.after_whole
+
+    def counting(tree, dep, token):
+      waited.append(len(dep))
+      return whole(tree, dep, token)
+
+    with mock.patch.object(schedule, "after_whole", counting):
+      fused = jax.jit(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(grads, state, params)
+    self.assertEqual(waited, [2, 2])  # mu's and nu's codes of the parameter waited for
+    updates, new_state = tx.update(grads, state, params)
+    chex.assert_trees_all_equal(fused, (optax.apply_updates(params, updates), new_state))
 
   def test_apply_gradients_equals_update_with_none_and_small_leaves(self):
     # The fused step stores the parameters' own 8-bit leaves one parameter after

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ import pytest
 from benchmarks import hlo_stats
 import optax_lossscale as ols
 from optax_lossscale._src.storage import schedule
+from tests.autocast_helpers import depends_on
 
 BF16 = jnp.bfloat16
 
@@ -57,6 +60,51 @@ def test_materialized_and_after_are_the_identity_bit_for_bit(dtype):
   same(whole["x"], x)
   assert int(whole["count"]) == 7 and bool(whole["flag"])
   same(schedule.after_whole(state, dep, 3)["x"], x)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+  sizes=st.lists(st.integers(1, 40), max_size=30),
+  window=st.integers(1, 100),
+)
+def test_waits_for_the_latest_leaf_a_window_of_elements_before(sizes, window):
+  # Checked against its definition: leaf i waits for the latest j whose leaves j to
+  # i - 1 hold at least `window` elements; for none where all before it hold fewer.
+  out = schedule.waits(sizes, window)
+  assert len(out) == len(sizes)
+  for i, j in enumerate(out):
+    if sum(sizes[:i]) < window:
+      assert j is None
+    else:
+      assert j is not None and 0 <= j < i
+      assert sum(sizes[j:i]) >= window > sum(sizes[j + 1 : i])
+
+
+def test_waits_chains_leaves_as_large_as_the_window():
+  assert schedule.waits([2**20] * 4) == [None, 0, 1, 2]
+  assert schedule.waits([schedule.WINDOW // 4] * 6) == [None] * 4 + [0, 1]
+  assert schedule.waits([]) == []
+
+
+def test_the_remainder_of_small_leaves_waits_a_window_of_elements():
+  # Each leaf's new master (the buffer both halves read) waits for an earlier leaf's
+  # remainder, so that their temporaries are reused: the leaf before for a leaf as large
+  # as the window, a window of elements before for small ones (a chain of small loops
+  # ran on one core of XLA:CPU). In the jaxpr, on every backend (a platform_dependent
+  # branch).
+  tx = ols.master_weights(optax.adam(1e-3), store="remainder")
+  side = int(np.sqrt(schedule.WINDOW // 4))
+  params = {f"w{i}": jnp.full((side, side), 0.5 + i, BF16) for i in range(6)}
+  state = tx.init(params)
+  jaxpr = jax.make_jaxpr(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(params, state, params)
+  new_params, new_state = jax.tree.unflatten(
+    jax.tree.structure((params, state)), jaxpr.jaxpr.outvars
+  )
+  remainder = new_state.master
+  waits_for = lambda i, j: depends_on(jaxpr, new_params[f"w{i}"], remainder[f"w{j}"])
+  assert waits_for(4, 0) and waits_for(5, 1)
+  assert not any(waits_for(i, j) for i in range(4) for j in range(4) if i != j)
+  assert not waits_for(4, 1) and not waits_for(5, 0) and not waits_for(5, 4)
 
 
 def _compiled(tx, grads_dtype=BF16):

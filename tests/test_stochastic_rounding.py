@@ -15,7 +15,6 @@ import platform
 from absl.testing import parameterized
 import chex
 import jax
-from jax.extend.core import Literal
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -25,6 +24,7 @@ import pytest
 import optax_lossscale as ols
 from optax_lossscale._src.storage import rounding
 from tests import assert_trees_equal_across_programs
+from tests import autocast_helpers as helpers
 from tests.autocast_helpers import equations
 
 BF16 = jnp.bfloat16
@@ -419,19 +419,7 @@ class StochasticRoundingTest(parameterized.TestCase):
       jax.tree.structure((params, tx.init(params))), jaxpr.outvars
     )
     adam = new_state.inner_state[0]
-    produced = {v: e for e in jaxpr.eqns for v in e.outvars}
-
-    def depends_on(var, target):
-      seen, todo = set(), [var]
-      while todo:
-        v = todo.pop()
-        if v is target:
-          return True
-        if v in seen or v not in produced:
-          continue
-        seen.add(v)
-        todo.extend(x for x in produced[v].invars if not isinstance(x, Literal))
-      return False
+    depends_on = lambda var, target: helpers.depends_on(jaxpr, var, target)
 
     for leaf, other in (("a", "b"), ("b", "a")):
       for moment in (adam.mu[leaf], adam.nu[leaf]):

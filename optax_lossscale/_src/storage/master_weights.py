@@ -295,9 +295,14 @@ def master_weights(
     stepped = treedef.flatten_up_to(stepped)
     updates = [None] * len(leaves) if updates is None else treedef.flatten_up_to(updates)
     new_params, own_updates, new_master = [], [], []
-    previous: list[jax.Array] = []
+    split = [k for k, m in enumerate(masters) if m is not None and store != "copy"]
+    wait = {
+      k: None if j is None else split[j]
+      for k, j in zip(split, schedule.waits([np.size(leaves[k]) for k in split]), strict=True)
+    }
+    remainders: dict[int, jax.Array] = {}
     last: list[jax.Array] = []  # what reads the old inner state, written before its codes
-    for p, m, s, u in zip(leaves, masters, stepped, updates, strict=True):
+    for k, (p, m, s, u) in enumerate(zip(leaves, masters, stepped, updates, strict=True)):
       if m is None:
         new_params.append(s)
         new_master.append(None)
@@ -309,12 +314,15 @@ def master_weights(
       else:
         # Computed once into a buffer, which both halves read: each half recomputing it
         # would read the old parameter and remainder that the other overwrites. One
-        # leaf after another (after the previous remainder, written by a loop of its
-        # own): only one leaf's 32-bit buffer is live at a time.
-        s = schedule.materialized(schedule.after(s, previous))
+        # leaf after another (after an earlier remainder, written by a loop of its own,
+        # `schedule.waits`): the 32-bit buffers of a window of leaves are live at once.
+        earlier = wait[k]
+        s = schedule.materialized(
+          s if earlier is None else schedule.after(s, [remainders[earlier]])
+        )
         param, remainder = rounding.split_bfloat16(s)
         remainder = schedule.materialized(remainder)
-        previous = [remainder]
+        remainders[k] = remainder
         new_params.append(param)
         new_master.append(remainder)
         # Both halves read the materialized master, not the inner state: the codes

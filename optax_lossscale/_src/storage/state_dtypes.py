@@ -318,10 +318,13 @@ def state_dtypes(
     """The fused step's new parameters and stored state, one parameter after another.
 
     On XLA:CPU, the loops of each parameter (its moments' block extremes, its
-    new value, its moments' codes) wait for the codes of the parameter before
-    it (`schedule.after_whole`), and the codes for the new value, which reads
-    the old ones (`schedule.after`): XLA then runs them back to back, while
-    the arrays they all read, the gradient first, are still in the caches. In
+    new value, its moments' codes) wait for the codes of an earlier parameter
+    (`schedule.after_whole`): the one before it, or for small parameters the
+    one a window of elements before (`schedule.waits`), so that small loops,
+    which XLA:CPU runs on one core each, still run two at a time. And the codes
+    wait for the new value, which reads the old ones (`schedule.after`): XLA
+    then runs a parameter's loops back to back, while the arrays they all
+    read, the gradient first, are still in the caches. In
     XLA:CPU's own order the block extremes come first, then every new value,
     then every code: at 16M parameters, where the arrays no longer stay cached
     in between, the codes' loops took twice their time per element
@@ -343,10 +346,17 @@ def state_dtypes(
         if k is not None:
           owned[k].append(j)
     token = next(iter(counts.values()))
-    new_params, written, before = [], {}, []
+    stepped = [k for k in range(len(p_leaves)) if owned[k]]
+    wait = {
+      k: None if i is None else stepped[i]
+      for k, i in zip(stepped, schedule.waits([np.size(p_leaves[k]) for k in stepped]), strict=True)
+    }
+    new_params, written = [], {}
     for k, (p, u) in enumerate(zip(p_leaves, u_leaves, strict=True)):
       mine = owned[k]
-      if before:
+      earlier = wait.get(k)
+      if earlier is not None:
+        before = [written[j].codes for j in owned[earlier]]
         u, moved = schedule.after_whole((u, [values[j] for j in mine]), before, token)
         for j, v in zip(mine, moved, strict=True):
           values[j] = v
@@ -359,7 +369,6 @@ def state_dtypes(
       for j, pair, word in zip(mine, found, mine_words, strict=True):
         q = store_leaf(s_leaves[j][0], values[j], {names[j]: pair}, counts, {names[j]: word})
         written[j] = q._replace(codes=schedule.after(q.codes, [new]))
-      before = [written[j].codes for j in mine]
     # The other leaves as `to_storage` stores them; the parameters' own are left out
     # (an empty integer array in their place, which it leaves as it is).
     taken = np.zeros(0, np.int8)

@@ -27,10 +27,11 @@ index with two words drawn (by the key's own generator) for each leaf and
 step, 7 to 50 times cheaper than threefry on a CPU, and exactly uniform for each
 element over the seeds. The words of every leaf come from one draw: on a CPU
 each draw is a small loop of its own, and a draw per leaf (a `fold_in`, then
-two words) took 1.3 ms a step for 256 leaves, one draw for all 0.06 ms. Inside `shard_map`, the leaves that vary over the same
-mesh axes share a draw from the step key with those axes' indices folded in
-(each shard its own bits); a replicated leaf's words are the same on every
-device, so it stays replicated.
+two words) took 1.3 ms a step for 256 leaves, one draw for all 0.06 ms.
+Inside `shard_map`, the leaves that vary over the same mesh axes share a draw
+from the step key with those axes' indices folded in (each shard its own
+bits); a replicated leaf's words are the same on every device, so it stays
+replicated.
 """
 
 from __future__ import annotations
