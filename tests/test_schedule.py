@@ -64,7 +64,7 @@ def test_materialized_and_after_are_the_identity_bit_for_bit(dtype):
 
 @settings(max_examples=200, deadline=None)
 @given(
-  sizes=st.lists(st.integers(1, 40), max_size=30),
+  sizes=st.lists(st.integers(0, 40), max_size=30),  # an empty leaf too
   window=st.integers(1, 100),
 )
 def test_waits_for_the_latest_leaf_a_window_of_elements_before(sizes, window):
@@ -84,6 +84,8 @@ def test_waits_chains_leaves_as_large_as_the_window():
   assert schedule.waits([2**20] * 4) == [None, 0, 1, 2]
   assert schedule.waits([schedule.WINDOW // 4] * 6) == [None] * 4 + [0, 1]
   assert schedule.waits([]) == []
+  with pytest.raises(ValueError, match="positive"):
+    schedule.waits([4, 4], window=0)  # (0 would have a leaf wait for itself)
 
 
 def test_the_remainder_of_small_leaves_waits_a_window_of_elements():

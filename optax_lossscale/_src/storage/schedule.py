@@ -201,6 +201,8 @@ def waits(sizes: list[int], window: int | None = None) -> list[int | None]:
     [None, None, 0, 1, 2]
   """
   window = WINDOW if window is None else window
+  if window < 1:
+    raise ValueError(f"waits' window must be a positive number of elements; got {window}.")
   out: list[int | None] = []
   j, total = 0, 0  # total: the elements of leaves j to i - 1
   for i, size in enumerate(sizes):

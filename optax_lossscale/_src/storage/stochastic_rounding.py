@@ -236,10 +236,13 @@ def stochastic_rounding(
     typed = jax.random.wrap_key_data(state.key, **({} if impl is None else {"impl": impl}))
     step_key, next_key = jax.random.split(typed)
     leaves = list(zip(flat, treedef.flatten_up_to(updates), strict=True))
-    seeds = _leaf_seeds(step_key, [jnp.asarray(p) for (path, p), _ in leaves if _rounded(p, path)])
+    rounds = [_rounded(p, path) for (path, p), _ in leaves]
+    seeds = _leaf_seeds(
+      step_key, [jnp.asarray(p) for ((_, p), _), r in zip(leaves, rounds, strict=True) if r]
+    )
     new_params, own_updates = [], []
-    for (path, p), u in leaves:
-      if not _rounded(p, path):
+    for ((_, p), u), r in zip(leaves, rounds, strict=True):
+      if not r:
         new_params.append(optax.apply_updates(p, u))
         own_updates.append(u)
         continue
